@@ -1,0 +1,18 @@
+"""lablib: the library behind the Distributed Training Labs.
+
+Read it like a table of contents:
+
+- ``lablib.distenv``   the process environment: one frozen ``DistEnv`` built from torchrun's variables
+- ``lablib.launch``    ``run(step, nproc=...)``: start a ``lablib.runs.<step>`` script under torchrun
+- ``lablib.config``    typed, strict option parsing shared by the launcher and the run scripts
+- ``lablib.script``    the skeleton every run script shares (errors, JSON output, clean shutdown)
+- ``lablib.data``      Tiny Shakespeare: download/verify/cache, character tokenizer, batches
+- ``lablib.models``    a small GPT (nanoGPT names) and a small MLP; no parallelism inside
+- ``lablib.counting``  counting the collectives a training step really issues
+- ``lablib.checks``    the assertions the notebooks' graded tests use (clear messages, with hints)
+- ``lablib.plots``     the course's matplotlib conventions
+- ``lablib.course``    instructor tooling: release, execute and autograde labs with nbgrader
+- ``lablib.runs``      the multi-process steps, one module per step
+"""
+
+__version__ = "0.1.0"

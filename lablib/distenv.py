@@ -1,0 +1,115 @@
+"""The process environment of one rank, built once from torchrun's variables and passed down.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE for every worker. A plain Python
+process (a notebook, a test) has none of them and is simply world size 1: the same code path.
+
+Backend and device are chosen here and nowhere else:
+- one GPU (or more) per local rank  -> nccl, rank r uses cuda:r            (a real multi-GPU box)
+- fewer GPUs than local ranks       -> gloo, all ranks share cuda:0      (simulating on one GPU;
+                                       NCCL refuses two ranks on one device)
+- no GPU                            -> gloo on the CPU                    (a laptop, CI)
+``LABLIB_DEVICE=cpu`` forces the CPU path on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+# How long init_process_group and every collective may wait for the other ranks before failing
+# with an error instead of hanging forever (a crashed or diverged rank). Override in seconds.
+DEFAULT_PG_TIMEOUT_S = float(os.environ.get("LABLIB_PG_TIMEOUT_S", "60"))
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 is the only rank that prints and writes files."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+    def describe(self) -> dict:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "backend": self.backend,
+            "torch": torch.__version__,
+            "cuda_devices": torch.cuda.device_count(),
+            "threads_per_rank": torch.get_num_threads(),
+        }
+
+
+def select_backend_and_device(local_rank: int, local_world_size: int) -> tuple[str, torch.device]:
+    """nccl with one GPU per rank; gloo otherwise (sharing GPU 0, or on the CPU)."""
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if os.environ.get("LABLIB_DEVICE", "").lower() == "cpu" or n_gpus == 0:
+        return "gloo", torch.device("cpu")
+    if n_gpus >= local_world_size:
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cuda", 0)
+
+
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer; "
+                         f"it is set by torchrun, do not set it by hand") from None
+
+
+def from_env() -> DistEnv:
+    """The DistEnv of this process, from torchrun's variables (world size 1 when there are none)."""
+    rank = _int_env("RANK", 0)
+    world_size = _int_env("WORLD_SIZE", 1)
+    local_rank = _int_env("LOCAL_RANK", 0)
+    local_world_size = _int_env("LOCAL_WORLD_SIZE", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}; start the script with torchrun")
+    backend, device = select_backend_and_device(local_rank, local_world_size)
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+@contextlib.contextmanager
+def distributed(timeout_s: float = DEFAULT_PG_TIMEOUT_S) -> Iterator[DistEnv]:
+    """Initialise the process group (with a timeout), yield the DistEnv, always destroy the group.
+
+    Under torchrun the group is initialised even for world size 1, so that a single process runs the
+    same code (collectives on one rank are cheap no-ops). A plain process without torchrun's variables
+    gets world size 1 and no group.
+    """
+    env = from_env()
+    under_torchrun = "MASTER_ADDR" in os.environ and "RANK" in os.environ
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    if under_torchrun and not dist.is_initialized():
+        kwargs = {"backend": env.backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        if env.backend == "nccl":
+            kwargs["device_id"] = env.device
+        dist.init_process_group(**kwargs)
+    try:
+        yield env
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,158 @@
+"""Lab 01's distributed step: gradient accumulation under DDP, with and without ``no_sync()``.
+
+    torchrun --standalone --nproc-per-node 2 -m lablib.runs.grad_accum --impl accum_impl.py --out out.json
+
+The student's ``accumulation_step(model, optimizer, micro_batches, loss_fn)`` (from --impl) trains an
+MLP on a synthetic regression task twice, from the same initial weights and data:
+- ``no_sync``: the function as written (it should skip the all-reduce on all but the last micro-batch);
+- ``sync_every``: the same function with ``model.no_sync`` replaced by a do-nothing context, so every
+  backward all-reduces. Same math, K times the communication.
+Each variant's all-reduces are counted with a DDP communication hook and its steps timed.
+Rank 0 also trains a plain single-process copy on each whole global batch (world_size * K micro-batches
+in one backward) - the reference the accumulated DDP weights must equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lablib import script
+from lablib.counting import count_ddp_allreduces
+from lablib.impl import load_module
+from lablib.models import MLP
+
+
+@dataclass(frozen=True)
+class Config:
+    impl: str = "accum_impl.py"     # the module file the notebook's exercise cell writes
+    accum_steps: int = 4            # K micro-batches per optimizer step
+    micro_batch_size: int = 32      # samples per micro-batch, per rank
+    steps: int = 8                  # optimizer steps per variant (the first is warm-up, not timed)
+    d_in: int = 256
+    d_hidden: int = 1024
+    n_hidden: int = 2
+    lr: float = 0.05
+    bucket_cap_mb: float = 25.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("accum_steps", "micro_batch_size", "steps", "d_in", "d_hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive (DDP's default is 25)")
+
+
+def global_batch(config: Config, step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's whole batch, identical on every rank: (world_size * K * micro, d_in) and (..., 1)."""
+    g = torch.Generator().manual_seed(config.seed * 1000 + step)
+    n = world_size * config.accum_steps * config.micro_batch_size
+    x = torch.randn(n, config.d_in, generator=g)
+    y = torch.sin(x[:, :8].sum(dim=1, keepdim=True))  # a smooth target the MLP can learn
+    return x, y
+
+
+def rank_micro_batches(x, y, config: Config, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's contiguous slice of the global batch, cut into K micro-batches."""
+    per_rank = config.accum_steps * config.micro_batch_size
+    xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+    return list(zip(xs.split(config.micro_batch_size), ys.split(config.micro_batch_size)))
+
+
+def new_model(config: Config, device) -> torch.nn.Module:
+    torch.manual_seed(config.seed)  # identical initial weights on every rank and for the reference
+    return MLP(config.d_in, config.d_hidden, 1, config.n_hidden).to(device)
+
+
+def train_variant(env, config: Config, step_fn, disable_no_sync: bool) -> tuple[dict, torch.nn.Module]:
+    model = DDP(new_model(config, env.device), bucket_cap_mb=config.bucket_cap_mb)
+    if disable_no_sync:
+        model.no_sync = contextlib.nullcontext  # every backward now all-reduces
+    counter = count_ddp_allreduces(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    step_times, calls, losses = [], [], []
+    for step in range(config.steps):
+        x, y = global_batch(config, step, env.world_size)
+        micro = [(a.to(env.device), b.to(env.device)) for a, b in rank_micro_batches(x, y, config, env.rank)]
+        counter.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step_fn(model, optimizer, micro, F.mse_loss)
+        if env.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - t0)
+        calls.append(counter.calls)
+        losses.append(float(loss))
+        script.progress(env, step + 1, config.steps, loss=float(loss))
+    timed = step_times[1:] or step_times  # step 0 includes DDP's bucket rebuild: warm-up
+    # The slowest rank decides the step time: take the max over ranks of each rank's median.
+    median = torch.tensor([statistics.median(timed)])
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return {
+        "allreduce_calls_per_step": calls,
+        "allreduce_bytes_last_step": counter.bytes,
+        "step_time_s": step_times,
+        "median_step_time_s": median.item(),
+        "losses": losses,
+    }, model.module
+
+
+def reference_weights(config: Config, world_size: int, device) -> torch.nn.Module:
+    """Plain single-process training on each whole global batch: one forward, one backward, one step."""
+    model = new_model(config, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    for step in range(config.steps):
+        x, y = global_batch(config, step, world_size)
+        optimizer.zero_grad()
+        F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+    return model
+
+
+def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def spread_across_ranks(model: torch.nn.Module) -> float:
+    """max over parameters of (max over ranks - min over ranks): 0.0 when every rank holds the same weights."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return (hi - lo).max().item()
+
+
+def train(env, config: Config) -> dict:
+    impl = load_module(config.impl, required=("accumulation_step",))
+    result = {}
+    for name, disable in (("sync_every", True), ("no_sync", False)):
+        metrics, model = train_variant(env, config, impl.accumulation_step, disable_no_sync=disable)
+        metrics["weight_spread_across_ranks"] = spread_across_ranks(model)
+        result[name] = metrics
+    if env.is_main:
+        reference = reference_weights(config, env.world_size, env.device)
+        result["max_abs_diff_vs_single_process"] = max_abs_diff(model, reference)
+        result["max_abs_weight"] = max(p.abs().max().item() for p in reference.parameters())
+        result["n_params"] = sum(p.numel() for p in reference.parameters())
+        t_every, t_no = result["sync_every"]["median_step_time_s"], result["no_sync"]["median_step_time_s"]
+        print(f"all-reduces per step: sync_every={result['sync_every']['allreduce_calls_per_step'][-1]}, "
+              f"no_sync={result['no_sync']['allreduce_calls_per_step'][-1]}; median step "
+              f"{t_every * 1e3:.1f} ms -> {t_no * 1e3:.1f} ms; max |w_ddp - w_single| = "
+              f"{result['max_abs_diff_vs_single_process']:.2e}")
+    return result
+
+
+def main() -> None:
+    script.main(Config, train)
+
+
+if __name__ == "__main__":
+    main()

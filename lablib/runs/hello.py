@@ -1,0 +1,62 @@
+"""Check the distributed set-up: every rank reports itself, and one all-reduce proves they talk.
+
+    torchrun --standalone --nproc-per-node 2 -m lablib.runs.hello --out hello.json
+
+The fault options exist to show (and test) what the launcher does when things go wrong:
+``fail_rank`` raises on that rank, ``hang_rank`` sleeps on that rank for ``hang_s`` seconds (the other
+ranks then wait in the all-reduce until the launcher's timeout stops everything).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lablib import script
+
+
+@dataclass(frozen=True)
+class Config:
+    fail_rank: int = -1
+    hang_rank: int = -1
+    hang_s: float = 3600.0
+
+    def validate_world(self, world_size: int) -> None:
+        for name in ("fail_rank", "hang_rank"):
+            value = getattr(self, name)
+            if value >= world_size:
+                raise ValueError(f"{name}={value} does not exist with {world_size} ranks "
+                                 f"(ranks are 0..{world_size - 1}); use -1 for none")
+
+
+def train(env, config: Config) -> dict:
+    if env.rank == config.fail_rank:
+        raise RuntimeError(f"rank {env.rank} failed on purpose (fail_rank={config.fail_rank})")
+    if env.rank == config.hang_rank:
+        time.sleep(config.hang_s)
+    # Each rank contributes rank+1; the all-reduced sum must be N(N+1)/2 on every rank.
+    value = torch.tensor([float(env.rank + 1)], device=env.device)
+    if dist.is_initialized():
+        dist.all_reduce(value)
+    info = {**env.describe(), "pid": os.getpid(), "hostname": os.uname().nodename}
+    gathered = [None] * env.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, info)
+    else:
+        gathered = [info]
+    if env.is_main:
+        print(f"{env.world_size} rank(s) on backend {env.backend}; all-reduce sum = {value.item():.0f}")
+    return {"all_reduce_sum": value.item(), "expected_sum": env.world_size * (env.world_size + 1) / 2,
+            "ranks": gathered}
+
+
+def main() -> None:
+    script.main(Config, train)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The skeleton every ``lablib.runs.<step>`` script shares.
+
+A run script is thin: it declares a config dataclass and a ``train(env, config) -> dict`` function, and
+its ``main()`` is ``script.main(Config, train)``. This module does the rest, the same way every time:
+
+- parses ``--out PATH`` plus the config's options strictly (unknown or mistyped options are errors);
+- initialises the process group with a timeout and always destroys it (``distenv.distributed``);
+- under the launcher (``LABLIB_RUN_DIR`` set) sends everything but rank 0's stdout to per-rank log
+  files, so only rank 0 talks to the notebook, and writes any rank's traceback to ``rank<r>.error`` for the launcher;
+- has rank 0 write one JSON file: step, config, environment, metrics, elapsed time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from lablib import config as cfg
+from lablib import distenv
+
+PROGRESS_PREFIX = "@@lablib-progress "
+
+
+def progress(env: distenv.DistEnv, step: int, total: int, **metrics: float) -> None:
+    """Report training progress; the launcher draws it as a progress bar (rank 0 only)."""
+    if env.is_main:
+        print(PROGRESS_PREFIX + json.dumps({"step": step, "total": total, **metrics}), flush=True)
+
+
+def jsonable(value):
+    """Tensors, numpy numbers, tuples and dataclasses to plain JSON values (NaN/inf as strings)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _split_out(argv: list[str]) -> tuple[str | None, list[str]]:
+    out, rest, i = None, [], 0
+    while i < len(argv):
+        if argv[i] == "--out":
+            if i + 1 >= len(argv):
+                raise cfg.ConfigError("--out needs a file path")
+            out = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--out="):
+            out = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return out, rest
+
+
+def _redirect_to_file(path: Path, stdout: bool) -> None:
+    """Point stderr (and stdout if asked) at path, at the file-descriptor level so C++ output follows."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if stdout:
+        os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _record_error(run_dir: str | None, rank: int, exc: BaseException) -> None:
+    """Leave this rank's traceback for the launcher, stamped with the time it happened."""
+    path = Path(run_dir) / f"rank{rank}.error" if run_dir else None
+    if path is None or path.exists() or isinstance(exc, SystemExit):
+        return
+    path.write_text(f"{time.time():.6f}\n" + "".join(traceback.format_exception(exc)))
+
+
+def main(config_cls, train: Callable, argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = os.environ.get("LABLIB_RUN_DIR")
+    rank = int(os.environ.get("RANK", "0"))
+    if run_dir:
+        # Rank 0's stdout stays live for the notebook; everything else goes to per-rank logs.
+        _redirect_to_file(Path(run_dir) / f"rank{rank}.log", stdout=rank != 0)
+    t0 = time.perf_counter()
+    try:
+        out, rest = _split_out(argv)
+        config = cfg.from_argv(config_cls, rest)
+        with distenv.distributed() as env:
+            try:
+                if hasattr(config, "validate_world"):
+                    config.validate_world(env.world_size)
+                metrics = train(env, config)
+            except BaseException as exc:
+                # Recorded before the process group is torn down: tearing it down makes the other ranks
+                # fail too, and the launcher reports the earliest failure as the root cause.
+                _record_error(run_dir, rank, exc)
+                raise
+            if env.is_main and out:
+                record = {
+                    "step": config_cls.__module__.rsplit(".", 1)[-1],
+                    "config": dataclasses.asdict(config),
+                    "env": env.describe(),
+                    "elapsed_s": time.perf_counter() - t0,
+                    "metrics": metrics,
+                }
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                tmp = Path(out).with_suffix(".tmp")
+                tmp.write_text(json.dumps(jsonable(record), indent=1))
+                tmp.replace(out)  # atomic: the launcher never reads half a file
+    except BaseException as exc:  # noqa: BLE001 - record, then re-raise so torchrun sees the failure
+        _record_error(run_dir, rank, exc)
+        raise
