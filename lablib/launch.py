@@ -81,11 +81,11 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _run_processes(torchrun: subprocess.Popen, run_id: str) -> list[psutil.Process]:
-    """torchrun, its descendants, and any orphaned worker that still carries this run's marker."""
+def _run_processes(root_proc: subprocess.Popen, run_id: str) -> list[psutil.Process]:
+    """The root process, its descendants, and any orphan that still carries this run's marker."""
     found: dict[int, psutil.Process] = {}
     try:
-        root = psutil.Process(torchrun.pid)
+        root = psutil.Process(root_proc.pid)
         found[root.pid] = root
         for child in root.children(recursive=True):
             found[child.pid] = child
@@ -102,23 +102,27 @@ def _run_processes(torchrun: subprocess.Popen, run_id: str) -> list[psutil.Proce
     return list(found.values())
 
 
-def kill_run(torchrun: subprocess.Popen, run_id: str, grace_s: float = 3.0) -> None:
-    """Terminate every process of this run (SIGTERM, then SIGKILL after grace_s)."""
-    procs = _run_processes(torchrun, run_id)
+def kill_run(root_proc: subprocess.Popen, run_id: str, grace_s: float = 3.0) -> None:
+    """Terminate every process of a run (SIGTERM, then SIGKILL after grace_s).
+
+    root_proc must have been started with ``RUN_MARKER=run_id`` in its environment; every descendant
+    inherits it, so even workers started in sessions of their own, or orphaned, are found.
+    """
+    procs = _run_processes(root_proc, run_id)
     for proc in procs:
         try:
             proc.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive + [p for p in _run_processes(torchrun, run_id) if p not in procs]:
+    for proc in alive + [p for p in _run_processes(root_proc, run_id) if p not in procs]:
         try:
             proc.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
     try:
-        torchrun.wait(timeout=grace_s)
+        root_proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
 

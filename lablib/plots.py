@@ -1,0 +1,30 @@
+"""The course's matplotlib conventions: every axis titled and labelled with units, measured points as
+markers, formula predictions as lines on the same axes."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+MEASURED = dict(marker="o", linestyle="none", markersize=6)
+FORMULA = dict(linestyle="--", linewidth=1.5)
+
+
+def axes(title: str, xlabel: str, ylabel: str, ax=None, figsize=(6.4, 4.0)):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return ax
+
+
+def grid(n: int, figsize=None):
+    fig, axs = plt.subplots(1, n, figsize=figsize or (5.2 * n, 3.8))
+    return fig, list(axs) if n > 1 else [axs]
+
+
+def annotate_bars(ax, bars, fmt: str = "{:.0f}") -> None:
+    for bar in bars:
+        ax.annotate(fmt.format(bar.get_height()), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=9)

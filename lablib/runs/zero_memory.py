@@ -1,0 +1,169 @@
+"""Lab 04's distributed step: what each rank really holds under DDP, ZeRO-1, ZeRO-2 and ZeRO-3.
+
+    torchrun --standalone --nproc-per-node 2 -m lablib.runs.zero_memory --out zero_memory.json
+
+Trains the course GPT a few AdamW steps on Tiny Shakespeare four times, from the same initial weights on
+the same batches, each time with the model states kept differently:
+
+- ``ddp``            DistributedDataParallel + AdamW: everything replicated (the baseline);
+- ``zero1``          DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer``: optimizer state sharded;
+- ``fsdp_grad_op``   FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients and optimizer state
+                     sharded, parameters kept whole from the forward to the backward (ZeRO-2-like);
+- ``fsdp_full``      FSDP2 ``fully_shard`` (reshard_after_forward=True): everything sharded (ZeRO-3).
+
+In the last step each rank counts the bytes of its parameters, gradients and optimizer state (each storage
+once, DTensors by their local shard; ``lablib.memory``) at three moments: after the forward, after the
+backward, after the optimizer step. Rank 0 gathers every rank's counts and writes them with the losses.
+The global batch is the same for every world size, so the losses must match across variants *and* N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lablib import data, memory, script
+from lablib.models import GPT, GPTConfig
+
+VARIANTS = ("ddp", "zero1", "fsdp_grad_op", "fsdp_full")
+PHASES = ("after_forward", "after_backward", "after_step")
+
+
+@dataclass(frozen=True)
+class Config:
+    variants: str = ",".join(VARIANTS)
+    steps: int = 4                 # optimizer steps per variant; memory is counted in the last one
+    global_batch: int = 8          # sequences per step over all ranks (the same for every world size)
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+
+    def validate(self) -> None:
+        unknown = [v for v in self.variant_list if v not in VARIANTS]
+        if unknown or not self.variant_list:
+            raise ValueError(f"variants={self.variants!r}: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+        if self.steps < 2:
+            raise ValueError(f"steps={self.steps}: need at least 2, the optimizer state exists from the first step on")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+
+    def validate_world(self, world_size: int) -> None:
+        if self.global_batch % world_size:
+            raise ValueError(f"global_batch={self.global_batch} does not split over {world_size} ranks; "
+                             f"use a multiple of {world_size}")
+
+    @property
+    def variant_list(self) -> list[str]:
+        return [v for v in self.variants.split(",") if v]
+
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size)
+
+
+def batches(config: Config, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (x, y) for each step: rows rank*b .. (rank+1)*b of the same global batch, b = G / N."""
+    text = data.load_shakespeare()
+    tokens = data.CharTokenizer.from_text(text).encode(text[:100_000])
+    dataset = data.BlockDataset(tokens, config.block_size)
+    per_rank = config.global_batch // world_size
+    out = []
+    for step in range(config.steps):
+        rows = [dataset[step * config.global_batch + rank * per_rank + i] for i in range(per_rank)]
+        out.append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
+    return out
+
+
+def apply_ddp(model: torch.nn.Module, config: Config, zero1: bool):
+    # gradient_as_bucket_view: the gradients *are* DDP's communication buckets, so the gradient storages
+    # counted are all the gradient memory DDP holds (by default it keeps a second copy in its buckets).
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    if zero1:
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=config.lr,
+                                      weight_decay=config.weight_decay)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    return ddp, opt
+
+
+def apply_fsdp(model: GPT, config: Config, reshard_after_forward: bool):
+    # One FSDP group per transformer block, then the root (embeddings, tied lm_head, final LayerNorm).
+    for block in model.h:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    return model, torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+def held_params(model: torch.nn.Module, sharded: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters a rank holds now: FSDP2's sharded ones (always) plus whatever its modules currently
+    expose (for FSDP2, the unsharded parameters of every group that is not resharded; for DDP, all)."""
+    return sharded + [p for p in model.parameters() if not hasattr(p, "to_local")]
+
+
+def train_variant(env, config: Config, variant: str, steps) -> dict:
+    torch.manual_seed(config.seed)  # the same initial weights on every rank and in every variant
+    model = GPT(config.gpt()).to(env.device)
+    if variant in ("ddp", "zero1"):
+        wrapped, opt = apply_ddp(model, config, zero1=variant == "zero1")
+        sharded = []
+    else:
+        wrapped, opt = apply_fsdp(model, config, reshard_after_forward=variant == "fsdp_full")
+        sharded = list(model.parameters())   # DTensors; FSDP2 keeps these objects for the whole run
+    losses, counts = [], {}
+    for step, (x, y) in enumerate(steps):
+        last = step == len(steps) - 1
+        opt.zero_grad(set_to_none=True)
+        _, loss = wrapped(x.to(env.device), y.to(env.device))
+        if last:
+            counts["after_forward"] = memory.model_state_bytes(held_params(model, sharded), opt)
+        loss.backward()
+        if last:
+            counts["after_backward"] = memory.model_state_bytes(held_params(model, sharded), opt)
+        opt.step()
+        if last:
+            counts["after_step"] = memory.model_state_bytes(held_params(model, sharded), opt)
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.SUM)   # equal shards: the mean of the rank means
+        losses.append(global_loss.item() / env.world_size)
+        script.progress(env, step + 1, len(steps), variant=variant, loss=losses[-1])
+    counts["peak"] = max((counts[p] for p in PHASES), key=lambda c: c["total"])
+    counts["peak_phase"] = max(PHASES, key=lambda p: counts[p]["total"])
+    counts["param_tensors"] = len(list(model.parameters()))
+    return {"losses": losses, "memory": counts}
+
+
+def train(env, config: Config) -> dict:
+    steps = batches(config, env.rank, env.world_size)
+    reference = GPT(config.gpt())
+    result = {
+        "n_params": sum(p.numel() for p in reference.parameters()),   # tied weights counted once
+        "n_params_counting_tied_twice": sum(p.numel() for _, p in reference.named_parameters(remove_duplicate=False)),
+        "param_shapes": {n: list(p.shape) for n, p in reference.named_parameters()},
+        "variants": {},
+    }
+    for variant in config.variant_list:
+        mine = train_variant(env, config, variant, steps)
+        per_rank = [None] * env.world_size
+        dist.all_gather_object(per_rank, mine["memory"])   # every rank's counts, to rank 0
+        result["variants"][variant] = {"losses": mine["losses"], "memory_per_rank": per_rank}
+        if env.is_main:
+            peak = max(r["peak"]["total"] for r in per_rank)
+            print(f"{variant:13s} N={env.world_size}: final loss {mine['losses'][-1]:.6f}, "
+                  f"peak model states {peak / 1e6:.3f} MB on the fullest rank")
+    return result
+
+
+def main() -> None:
+    script.main(Config, train)
+
+
+if __name__ == "__main__":
+    main()

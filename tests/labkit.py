@@ -1,0 +1,117 @@
+"""Helpers for the per-lab grading checks: read nbgrader metadata, run wrong answers in a live kernel."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parent.parent
+SOLUTIONS, LABS = REPO / "solutions", REPO / "labs"
+SOLUTION_REGION = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
+HIDDEN_REGION = re.compile(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", re.S)
+
+
+def labs() -> list[str]:
+    return sorted(p.name for p in SOLUTIONS.iterdir() if p.is_dir() and p.name[:2].isdigit())
+
+
+def read(lab: str, released: bool = False) -> nbformat.NotebookNode:
+    return nbformat.read((LABS if released else SOLUTIONS) / lab / f"{lab}.ipynb", as_version=4)
+
+
+def nbg(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+def exercises(nb) -> dict[str, int]:
+    """grade_id -> cell index, for the answer cells of code exercises (solution, not graded itself)."""
+    return {nbg(c)["grade_id"]: i for i, c in enumerate(nb.cells)
+            if c.cell_type == "code" and nbg(c).get("solution") and not nbg(c).get("grade")}
+
+
+def test_cells(nb, exercise: str) -> dict[str, tuple[int, float]]:
+    """grade_id -> (cell index, points) of the test cells of one exercise (grade_id test_<exercise>...)."""
+    return {nbg(c)["grade_id"]: (i, float(nbg(c).get("points", 0))) for i, c in enumerate(nb.cells)
+            if nbg(c).get("grade") and c.cell_type == "code" and nbg(c)["grade_id"].startswith(f"test_{exercise}")}
+
+
+def wrong_answers(lab: str) -> dict[str, list[tuple[str, str]]]:
+    path = REPO / "tests" / "wrong_answers" / f"{lab}.py"
+    if not path.exists():
+        return {}
+    spec = importlib.util.spec_from_file_location(f"wrong_{lab}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.WRONG_ANSWERS
+
+
+def cell_errors(cell) -> list[str]:
+    return [f"{o.get('ename')}: {o.get('evalue')}" for o in cell.get("outputs", []) if o.output_type == "error"]
+
+
+@dataclass
+class WrongAnswerResult:
+    exercise: str
+    description: str
+    failed_tests: dict[str, str]     # test grade_id -> error line
+    points_lost: float
+    points_possible: float
+
+
+class LiveLab:
+    """The solution notebook executed in a kernel that stays up, to re-run single cells afterwards."""
+
+    def __init__(self, lab: str, workdir: Path, cell_timeout_s: float = 600):
+        self.lab = lab
+        self.workdir = workdir
+        shutil.copytree(SOLUTIONS / lab, workdir, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*_impl.py"))
+        self.nb = read(lab)
+        self.client = NotebookClient(self.nb, timeout=cell_timeout_s, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(workdir)}})
+
+    def __enter__(self):
+        self._ctx = self.client.setup_kernel(env={**os.environ, "NBGRADER_EXECUTION": "autograde"})
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+    def run_cell(self, index: int, source: str | None = None):
+        cell = copy.deepcopy(self.nb.cells[index])
+        if source is not None:
+            cell.source = source
+        cell.outputs = []
+        return self.client.execute_cell(cell, index)
+
+    def run_all(self) -> dict[int, list[str]]:
+        """Execute every code cell in order; return {cell index: errors} for the cells that raised."""
+        errors = {}
+        for i, cell in enumerate(self.nb.cells):
+            if cell.cell_type == "code":
+                done = self.run_cell(i)
+                if cell_errors(done):
+                    errors[i] = cell_errors(done)
+        return errors
+
+    def try_wrong_answer(self, exercise: str, description: str, source: str) -> WrongAnswerResult:
+        ex_index = exercises(self.nb)[exercise]
+        tests = test_cells(self.nb, exercise)
+        self.run_cell(ex_index, source.strip("\n"))
+        failed = {}
+        for grade_id, (index, _) in tests.items():
+            errors = cell_errors(self.run_cell(index))
+            if errors:
+                failed[grade_id] = errors[-1][:300]
+        self.run_cell(ex_index)  # put the correct answer back for the next exercise
+        return WrongAnswerResult(exercise, description, failed,
+                                 sum(tests[g][1] for g in failed), sum(p for _, p in tests.values()))

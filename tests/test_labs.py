@@ -1,0 +1,122 @@
+"""The course's grading integrity, checked for every lab in solutions/ (COURSE_STANDARD.md):
+
+- labs/ is exactly what nbgrader generate_assignment makes from solutions/;
+- labs/ contains no solution code and no hidden-test text;
+- every exercise has test cells and at least one plausible wrong answer (tests/wrong_answers/);
+- the solution autogrades to full marks and the unmodified release to zero, with nbgrader, in time;
+- each wrong answer fails at least one of its exercise's tests (run in a live kernel, not a whole re-execution).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import subprocess
+import sys
+import time
+
+import pytest
+
+import labkit
+from lablib import course
+
+LABS = labkit.labs()
+# Autograding one notebook may take at most this long on the 2-core CI machine (the solution's
+# own budget is 180 s at full size; under nbgrader sizes shrink).
+AUTOGRADE_LIMIT_S = 300
+
+
+def _diff(a, b) -> list[str]:
+    cmp = filecmp.dircmp(a, b, ignore=["__pycache__", ".ipynb_checkpoints"])
+    out = [f"only in {cmp.left}: {x}" for x in cmp.left_only] + [f"only in {cmp.right}: {x}" for x in cmp.right_only]
+    out += [f"differs: {x}" for x in cmp.diff_files]
+    for sub in cmp.common_dirs:
+        out += _diff(a / sub, b / sub)
+    return out
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_release_is_regenerated_from_solutions(lab, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", lab, "--force", "--no-db",
+                             f"--CourseDirectory.release_directory={tmp_path}"],
+                            cwd=labkit.REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    differences = _diff(tmp_path / lab, labkit.LABS / lab)
+    assert not differences, f"labs/{lab} is stale; run launchers/release {lab[:2]} and commit:\n" + "\n".join(differences)
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_release_has_no_solution_or_hidden_tests(lab):
+    released = labkit.LABS / lab
+    text = "\n".join(p.read_text(errors="replace") for p in released.rglob("*") if p.is_file())
+    for marker in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"):
+        assert marker not in text, f"labs/{lab} contains '{marker}'"
+    # Every line of answer code or hidden test must be absent from the released cells, unless the same line
+    # also stands outside those regions in the source (then it is meant to be visible).
+    nb = labkit.read(lab)
+    released_source = "\n".join(c.source for c in labkit.read(lab, released=True).cells)
+    visible = set()
+    for cell in nb.cells:
+        outside = labkit.HIDDEN_REGION.sub("", labkit.SOLUTION_REGION.sub("", cell.source))
+        visible.update(line.strip() for line in outside.splitlines())
+    for cell in nb.cells:
+        regions = labkit.SOLUTION_REGION.findall(cell.source) + labkit.HIDDEN_REGION.findall(cell.source)
+        for region in regions:
+            for line in region.splitlines():
+                line = line.strip()
+                if len(line) > 20 and not line.startswith("#") and line not in visible:
+                    assert line not in released_source, f"labs/{lab} leaks solution/hidden-test text: {line!r}"
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_every_exercise_has_tests_and_a_wrong_answer(lab):
+    nb = labkit.read(lab)
+    ids = [labkit.nbg(c)["grade_id"] for c in nb.cells if labkit.nbg(c)]
+    assert len(ids) == len(set(ids)), f"duplicate grade_ids in {lab}: {ids}"
+    exercises = labkit.exercises(nb)
+    assert exercises, f"{lab} has no exercises"
+    wrong = labkit.wrong_answers(lab)
+    for exercise in exercises:
+        assert labkit.test_cells(nb, exercise), f"exercise {exercise} has no test cell test_{exercise}..."
+        assert wrong.get(exercise), f"exercise {exercise} has no wrong answer in tests/wrong_answers/{lab}.py"
+    for cell in nb.cells:
+        meta = labkit.nbg(cell)
+        if meta.get("grade") and cell.cell_type == "code":
+            assert meta.get("locked") and meta.get("points", 0) > 0, f"test cell {meta['grade_id']} must be locked, with points"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lab", LABS)
+def test_solution_full_marks_and_release_zero(lab, tmp_path, lab_times):
+    submissions = {"solution": labkit.SOLUTIONS / lab / f"{lab}.ipynb", "release": labkit.LABS / lab / f"{lab}.ipynb"}
+    results = {r.student: r for r in course.grade(lab, submissions, tmp_path / "course",
+                                                  per_student_timeout_s=AUTOGRADE_LIMIT_S, feedback=True)}
+    solution, release = results["solution"], results["release"]
+    lab_times.setdefault(lab, {})["solution autograde"] = solution.seconds
+    lab_times[lab]["release autograde"] = release.seconds
+    assert solution.status == "ok", solution.message
+    assert solution.auto_max > 0
+    assert solution.auto_score == solution.auto_max, f"solution scored {solution.auto_score}/{solution.auto_max}: {solution.cells}"
+    assert release.status == "ok", f"the release must autograde (to zero) within {AUTOGRADE_LIMIT_S} s: {release.message}"
+    assert release.auto_score == 0, f"the unmodified release scored {release.auto_score}: {release.cells}"
+    assert (tmp_path / "course" / "feedback" / "solution" / lab / f"{lab}.html").is_file(), "no feedback HTML generated"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lab", LABS)
+def test_wrong_answers_lose_points(lab, tmp_path, lab_times):
+    t0 = time.perf_counter()
+    wrong = labkit.wrong_answers(lab)
+    report, missed = [], []
+    with labkit.LiveLab(lab, tmp_path / lab) as live:
+        errors = live.run_all()
+        assert not errors, f"the solution notebook raised errors: {errors}"
+        for exercise, answers in wrong.items():
+            for description, source in answers:
+                r = live.try_wrong_answer(exercise, description, source)
+                report.append(f"{exercise}: '{description}' lost {r.points_lost:g}/{r.points_possible:g} "
+                              f"({', '.join(r.failed_tests) or 'no test failed'})")
+                if r.points_lost == 0:
+                    missed.append(report[-1])
+    lab_times.setdefault(lab, {})["wrong-answer checks"] = time.perf_counter() - t0
+    print("\n".join(report))
+    assert not missed, "wrong answers that lose no points:\n" + "\n".join(missed)

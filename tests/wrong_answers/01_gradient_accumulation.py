@@ -1,0 +1,94 @@
+"""Wrong answers for lab 01 (see tests/wrong_answers/__init__.py)."""
+
+_ACCUM_HEADER = '''%%writefile accum_impl.py
+import contextlib
+
+
+def accumulation_step(model, optimizer, micro_batches, loss_fn):
+'''
+
+WRONG_ANSWERS = {
+    "accumulation_step": [
+        ("forgets to divide each micro-batch loss by K", _ACCUM_HEADER + '''
+    optimizer.zero_grad()
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        ctx = model.no_sync() if hasattr(model, "no_sync") and i < len(micro_batches) - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        total += loss.item() / len(micro_batches)
+    optimizer.step()
+    return total
+'''),
+        ("correct math but no no_sync(): K all-reduces per step under DDP", _ACCUM_HEADER + '''
+    K = len(micro_batches)
+    optimizer.zero_grad()
+    total = 0.0
+    for x, y in micro_batches:
+        loss = loss_fn(model(x), y) / K
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+'''),
+        ("no_sync() on every micro-batch, the last one too: gradients never all-reduced", _ACCUM_HEADER + '''
+    K = len(micro_batches)
+    optimizer.zero_grad()
+    total = 0.0
+    for x, y in micro_batches:
+        ctx = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) / K
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+'''),
+        ("steps the optimizer after every micro-batch", _ACCUM_HEADER + '''
+    K = len(micro_batches)
+    total = 0.0
+    for x, y in micro_batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y) / K
+        loss.backward()
+        optimizer.step()
+        total += loss.item()
+    return total
+'''),
+    ],
+    "microbatch_loss": [
+        ("mean over the micro-batch's tokens divided by K (sample-weighted)", '''
+def microbatch_loss(logits, targets, n_tokens_total, ignore_index=-100):
+    K = 2
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index) / K
+'''),
+        ("mean over the micro-batch scaled by its share of the tokens (NaN for an all-padding micro-batch)", '''
+def microbatch_loss(logits, targets, n_tokens_total, ignore_index=-100):
+    n_here = (targets != ignore_index).sum()
+    mean = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+    return mean * n_here / n_tokens_total
+'''),
+    ],
+    "bn_answer": [
+        ("believes BatchNorm sees the effective batch", 'bn_answer = "a"'),
+    ],
+    "lr_scaling": [
+        ("forgets the world size in the effective batch", '''
+def effective_batch_size(micro_batch_size, accum_steps, world_size):
+    return micro_batch_size * accum_steps
+
+
+def scaled_learning_rate(base_lr, base_batch_size, batch_size):
+    return base_lr * batch_size / base_batch_size
+'''),
+        ("scales the learning rate the wrong way round", '''
+def effective_batch_size(micro_batch_size, accum_steps, world_size):
+    return micro_batch_size * accum_steps * world_size
+
+
+def scaled_learning_rate(base_lr, base_batch_size, batch_size):
+    return base_lr * base_batch_size / batch_size
+'''),
+    ],
+}
