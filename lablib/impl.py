@@ -12,11 +12,17 @@ from pathlib import Path
 from types import ModuleType
 
 
-def load_module(path: str, required: tuple[str, ...] = ()) -> ModuleType:
+def require_file(path: str) -> Path:
+    """The exercise module's absolute path, or an error naming the notebook cell that writes it."""
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise FileNotFoundError(f"exercise module {path} does not exist (looked in {file.parent}). "
                                 f"Run the exercise cell that starts with %%writefile {Path(path).name} first.")
+    return file
+
+
+def load_module(path: str, required: tuple[str, ...] = ()) -> ModuleType:
+    file = require_file(path)
     spec = importlib.util.spec_from_file_location(f"student_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

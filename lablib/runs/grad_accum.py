@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib import script
 from lablib.counting import count_ddp_allreduces
-from lablib.impl import load_module
+from lablib.impl import load_module, require_file
 from lablib.models import MLP
 
 
@@ -49,6 +49,7 @@ class Config:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive (DDP's default is 25)")
+        require_file(self.impl)
 
 
 def global_batch(config: Config, step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,154 @@
+"""The launcher's failure paths: every one ends in a clear exception, quickly, with no process left behind."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from lablib import launch
+from lablib.config import ConfigError
+
+
+def run_processes(step="hello"):
+    """Processes of any lablib run script still alive (workers of the tests below)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if f"lablib.runs.{step}" in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_until_gone(step="hello", timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while run_processes(step) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return run_processes(step)
+
+
+def test_success_streams_rank0_and_returns_json(capsys):
+    result = launch.run("hello", nproc=2, timeout_s=120)
+    assert result["metrics"]["all_reduce_sum"] == 3
+    assert result["config"] == {"fail_rank": -1, "hang_rank": -1, "hang_s": 3600.0}
+    out = capsys.readouterr().out
+    assert "2 rank(s) on backend gloo; all-reduce sum = 3" in out
+    assert out.count("all-reduce sum") == 1, "only rank 0 prints"
+
+
+def test_failing_rank_raises_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(launch.RunError) as info:
+        launch.run("hello", nproc=2, fail_rank=1, timeout_s=120, quiet=True)
+    assert info.value.rank == 1
+    assert "rank 1 failed on purpose (fail_rank=1)" in str(info.value)
+    assert "Traceback" in info.value.details
+    assert time.monotonic() - t0 < 60
+    assert not wait_until_gone()
+
+
+def test_hanging_rank_times_out_and_leaves_no_process():
+    t0 = time.monotonic()
+    with pytest.raises(launch.RunTimeout, match="ran past its timeout of 10 s"):
+        launch.run("hello", nproc=2, hang_rank=1, timeout_s=10, quiet=True)
+    assert time.monotonic() - t0 < 30
+    assert not wait_until_gone(), "workers survived the timeout"
+
+
+def test_keyboard_interrupt_kills_every_worker():
+    code = textwrap.dedent("""
+        from lablib import launch
+        try:
+            launch.run("hello", nproc=2, hang_rank=0, timeout_s=300, quiet=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(run_processes()) < 3 and time.monotonic() < deadline:  # torchrun + 2 workers
+        time.sleep(0.2)
+    assert len(run_processes()) >= 3, "the run never started"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert "interrupted" in out
+    assert not wait_until_gone(), "workers survived Ctrl-C"
+
+
+def test_port_in_use_is_refused_clearly():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(launch.PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
+            launch.run("hello", nproc=2, port=port, quiet=True)
+
+
+def test_explicit_free_port_works():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert launch.run("hello", nproc=2, port=port, timeout_s=120, quiet=True)["metrics"]["all_reduce_sum"] == 3
+
+
+def test_two_runs_at_once_do_not_collide():
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(launch.run("hello", nproc=2, timeout_s=180, quiet=True))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 2
+    assert all(r["metrics"]["all_reduce_sum"] == 3 for r in results)
+
+
+def test_unknown_option_and_bad_world_size_fail_before_starting():
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="unknown option.*fial_rank"):
+        launch.run("hello", nproc=2, fial_rank=1)
+    with pytest.raises(ValueError, match="fail_rank=2 does not exist with 2 ranks"):
+        launch.run("hello", nproc=2, fail_rank=2)
+    with pytest.raises(ValueError, match="nproc must be a positive integer"):
+        launch.run("hello", nproc=0)
+    with pytest.raises(ValueError, match="unknown step 'helo'; available steps: .*hello"):
+        launch.run("helo")
+    assert time.monotonic() - t0 < 5, "validation must not start torchrun"
+
+
+def test_student_stub_gets_a_hint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "accum_impl.py").write_text(
+        "def accumulation_step(model, optimizer, micro_batches, loss_fn):\n    raise NotImplementedError()\n")
+    with pytest.raises(launch.RunError, match="still raises NotImplementedError") as info:
+        launch.run("grad_accum", nproc=2, steps=2, timeout_s=120, quiet=True)
+    assert "NotImplementedError" in info.value.details
+
+
+def test_missing_exercise_module_names_the_cell_to_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="Run the exercise cell that starts with %%writefile nope_impl.py first"):
+        launch.run("grad_accum", nproc=2, impl="nope_impl.py", timeout_s=120, quiet=True)
+    assert time.monotonic() - t0 < 5, "a missing module is found before torchrun starts"
+
+
+def test_threads_are_split_between_ranks():
+    assert launch.default_threads_per_rank(1) == max(1, os.cpu_count())
+    assert launch.default_threads_per_rank(10 * os.cpu_count()) == 1
+    result = launch.run("hello", nproc=2, threads_per_rank=1, timeout_s=120, quiet=True)
+    assert {r["threads_per_rank"] for r in result["metrics"]["ranks"]} == {1}

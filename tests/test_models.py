@@ -1,0 +1,45 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lablib.models import GPT, MLP, GPTConfig
+
+
+def test_gpt_shapes_init_loss_and_tying():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    idx, targets = torch.randint(0, 65, (3, 64)), torch.randint(0, 65, (3, 64))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 64, 65)
+    assert abs(loss.item() - math.log(65)) < 0.3, "a fresh model should predict close to uniform"
+    assert model.lm_head.weight is model.wte.weight
+    assert model.num_params() == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="exceeds block_size=64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        GPTConfig(n_embd=100, n_head=3)
+
+
+def test_gpt_learns_a_repeating_sequence():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    data = torch.arange(17).remainder(8).repeat(8, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        _, loss = model(data[:, :-1], data[:, 1:])
+        first = first or loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.2 * first
+
+
+def test_mlp_with_and_without_batchnorm():
+    x = torch.randn(8, 5)
+    assert MLP(5, 7, 2)(x).shape == (8, 2)
+    bn = MLP(5, 7, 2, batchnorm=True)
+    assert any(isinstance(m, torch.nn.BatchNorm1d) for m in bn.modules())
+    assert F.mse_loss(bn(x), torch.zeros(8, 2)).isfinite()
