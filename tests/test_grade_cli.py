@@ -1,0 +1,66 @@
+"""launchers/grade end to end on an LMS-style zip: partial credit, an untouched release, a corrupt file and a
+hanging notebook. The bad submissions cost their students points, never the run, and no kernel survives."""
+
+import csv
+import subprocess
+import zipfile
+
+import nbformat
+import psutil
+import pytest
+
+import labkit
+
+LAB = "01_gradient_accumulation"
+
+
+def kernels_under(folder) -> list[int]:
+    """Kernels still running with their working directory inside folder."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "ipykernel_launcher" in " ".join(p.info["cmdline"] or []) and p.cwd().startswith(str(folder)):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_grade_a_zip_export(tmp_path):
+    release = labkit.read(LAB, released=True)
+    source = labkit.read(LAB)
+    # alice answered exercise 4 (the learning-rate functions) and nothing else.
+    alice = nbformat.from_dict(release)
+    answer = next(c for c in source.cells if labkit.nbg(c).get("grade_id") == "lr_scaling")
+    for cell in alice.cells:
+        if labkit.nbg(cell).get("grade_id") == "lr_scaling":
+            cell.source = "\n".join(line for line in answer.source.splitlines() if "### " not in line)
+    # dave's notebook hangs in its first code cell.
+    dave = nbformat.from_dict(release)
+    first_code = next(c for c in dave.cells if c.cell_type == "code")
+    first_code.source = "import time\ntime.sleep(3600)\n" + first_code.source
+
+    export = tmp_path / "export.zip"
+    with zipfile.ZipFile(export, "w") as zf:
+        zf.writestr(f"alice_1001_2001_{LAB}.ipynb", nbformat.writes(alice))
+        zf.writestr(f"bob_1002_2002_{LAB}.ipynb", nbformat.writes(release))
+        zf.writestr(f"carol_1003_2003_{LAB}.ipynb", '{"cells": [ this is not json')
+        zf.writestr(f"dave_1004_2004_{LAB}.ipynb", nbformat.writes(dave))
+
+    out = tmp_path / "grades"
+    result = subprocess.run(["bash", str(labkit.REPO / "launchers" / "grade"), "01", str(export), "--out", str(out),
+                             "--timeout", "60"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {row["student"]: row for row in csv.DictReader(open(out / "grades.csv"))}
+    assert set(rows) == {"alice", "bob", "carol", "dave"}, rows
+    max_auto = float(rows["bob"]["auto_max"])
+    assert max_auto > 2
+    assert (rows["alice"]["status"], float(rows["alice"]["auto_score"])) == ("ok", 2.0), rows["alice"]
+    assert float(rows["alice"]["test_lr_scaling"]) == 2.0
+    assert (rows["bob"]["status"], float(rows["bob"]["auto_score"])) == ("ok", 0.0), rows["bob"]
+    assert (rows["carol"]["status"], float(rows["carol"]["auto_score"])) == ("unreadable", 0.0)
+    assert (rows["dave"]["status"], float(rows["dave"]["auto_score"])) == ("timeout", 0.0)
+    assert float(rows["alice"]["manual_max_pending"]) > 0, "free-text answers are left for manual grading"
+    assert (out / "feedback" / "alice" / LAB / f"{LAB}.html").is_file()
+    assert not kernels_under(tmp_path), "a grading kernel survived"
