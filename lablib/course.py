@@ -4,8 +4,9 @@
     python -m lablib.course execute NN [--lab]        run a lab headless, keep executed/NN_*.ipynb
     python -m lablib.course grade NN SUBMISSIONS      autograde a folder or zip; grades CSV + feedback
 
-Grading runs nbgrader in a work folder of its own (grades/<lab>/course), one subprocess per student with
-an overall time limit, so a broken or hanging submission costs that student points, never the run.
+Grading runs nbgrader on the repository's course (grading/, the gradebook JupyterLab's Formgrader shows),
+one subprocess per student with an overall time limit, so a broken or hanging submission costs that
+student points, never the run. Grades CSV and feedback HTML are copied to grades/<lab>/.
 """
 
 from __future__ import annotations
@@ -146,30 +147,55 @@ def collect_submissions(path: Path, lab: str, into: Path) -> dict[str, Path]:
     return found
 
 
-def _course_config(work: Path) -> None:
-    (work / "nbgrader_config.py").write_text(
-        f"exec(compile(open({str(REPO / 'nbgrader_config.py')!r}).read(), 'nbgrader_config.py', 'exec'))\n"
-        f"c.CourseDirectory.root = {str(work)!r}\n"
-        "c.CourseDirectory.source_directory = 'source'\n"
-        "c.CourseDirectory.release_directory = 'release'\n"
-        "c.CourseDirectory.submitted_directory = 'submitted'\n"
-        "c.CourseDirectory.autograded_directory = 'autograded'\n"
-        "c.CourseDirectory.feedback_directory = 'feedback'\n"
-        f"c.CourseDirectory.db_url = 'sqlite:///{work / 'gradebook.db'}'\n")
+@dataclass(frozen=True)
+class CourseLayout:
+    """Where nbgrader keeps a course's folders. The repository itself is the default course (see
+    nbgrader_config.py: solutions/ is the source, grading/ holds submissions, feedback and the gradebook),
+    so JupyterLab's Formgrader, started by launchers/lab, shows what launchers/grade autograded."""
+
+    root: Path
+    submitted: Path
+    feedback: Path
+    db: Path
+    generate_args: tuple[str, ...] = ()
+
+    @classmethod
+    def repository(cls) -> "CourseLayout":
+        grading = REPO / "grading"
+        # Grading must not rewrite labs/: its generate_assignment (which records the grade cells in the
+        # gradebook) releases into grading/release instead.
+        return cls(REPO, grading / "submitted", grading / "feedback", grading / "gradebook.db",
+                   (f"--CourseDirectory.release_directory={grading / 'release'}",))
+
+    @classmethod
+    def isolated(cls, work: Path, lab: str) -> "CourseLayout":
+        """A self-contained course in work/ (tests, dry runs), with the repository's settings."""
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "nbgrader_config.py").write_text(
+            f"exec(compile(open({str(REPO / 'nbgrader_config.py')!r}).read(), 'nbgrader_config.py', 'exec'))\n"
+            f"c.CourseDirectory.root = {str(work)!r}\n"
+            "c.CourseDirectory.source_directory = 'source'\n"
+            "c.CourseDirectory.release_directory = 'release'\n"
+            "c.CourseDirectory.submitted_directory = 'submitted'\n"
+            "c.CourseDirectory.autograded_directory = 'autograded'\n"
+            "c.CourseDirectory.feedback_directory = 'feedback'\n"
+            f"c.CourseDirectory.db_url = 'sqlite:///{work / 'gradebook.db'}'\n")
+        shutil.rmtree(work / "source" / lab, ignore_errors=True)
+        shutil.copytree(SOLUTIONS / lab, work / "source" / lab,
+                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*_impl.py", "results"))
+        return cls(work, work / "submitted", work / "feedback", work / "gradebook.db")
 
 
-def grade(lab: str, submissions: dict[str, Path], work: Path, per_student_timeout_s: float = 1800,
-          feedback: bool = True) -> list[StudentGrade]:
-    """Autograde each student's notebook for lab in work/ (an nbgrader course folder made here)."""
+def grade(lab: str, submissions: dict[str, Path], layout: CourseLayout | None = None,
+          per_student_timeout_s: float = 1800, feedback: bool = True) -> list[StudentGrade]:
+    """Autograde each student's notebook for lab (in the repository's course unless layout says otherwise)."""
     import nbformat
     from nbgrader.api import Gradebook, MissingEntry
 
-    work.mkdir(parents=True, exist_ok=True)
-    _course_config(work)
-    shutil.rmtree(work / "source" / lab, ignore_errors=True)
-    shutil.copytree(SOLUTIONS / lab, work / "source" / lab,
-                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*_impl.py", "results"))
-    rc, out = _nbgrader(["generate_assignment", lab, "--force"], cwd=work, timeout_s=300)
+    layout = layout or CourseLayout.repository()
+    work = layout.root
+    layout.db.parent.mkdir(parents=True, exist_ok=True)
+    rc, out = _nbgrader(["generate_assignment", lab, "--force", *layout.generate_args], cwd=work, timeout_s=300)
     if rc != 0:
         raise SystemExit(f"nbgrader generate_assignment {lab} failed:\n{out}")
 
@@ -177,7 +203,7 @@ def grade(lab: str, submissions: dict[str, Path], work: Path, per_student_timeou
     for student, notebook in submissions.items():
         result = StudentGrade(student)
         results.append(result)
-        target = work / "submitted" / student / lab
+        target = layout.submitted / student / lab
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
         try:
@@ -197,7 +223,7 @@ def grade(lab: str, submissions: dict[str, Path], work: Path, per_student_timeou
     if feedback:
         _nbgrader(["generate_feedback", lab, "--force"], cwd=work, timeout_s=600)
 
-    with Gradebook(f"sqlite:///{work / 'gradebook.db'}") as gb:
+    with Gradebook(f"sqlite:///{layout.db}") as gb:
         assignment = gb.find_assignment(lab)
         for result in results:
             for nb in assignment.notebooks:
@@ -220,7 +246,7 @@ def grade(lab: str, submissions: dict[str, Path], work: Path, per_student_timeou
     return results
 
 
-def write_report(lab: str, results: list[StudentGrade], work: Path, out_dir: Path) -> Path:
+def write_report(lab: str, results: list[StudentGrade], layout: CourseLayout, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     grade_ids = sorted({gid for r in results for gid in r.cells})
     csv_path = out_dir / "grades.csv"
@@ -232,9 +258,10 @@ def write_report(lab: str, results: list[StudentGrade], work: Path, out_dir: Pat
             writer.writerow([r.student, lab, r.status, r.auto_score, r.auto_max, r.manual_max,
                              f"{r.seconds:.1f}", *[r.cells.get(g, ("", ""))[0] for g in grade_ids],
                              r.message.replace("\n", " ")[:300]])
-    fb_src = work / "feedback"
-    if fb_src.exists():
-        shutil.copytree(fb_src, out_dir / "feedback", dirs_exist_ok=True)
+    for r in results:  # this lab's feedback only, one folder per student
+        fb_src = layout.feedback / r.student / lab
+        if fb_src.exists():
+            shutil.copytree(fb_src, out_dir / "feedback" / r.student / lab, dirs_exist_ok=True)
     return csv_path
 
 
@@ -265,11 +292,13 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "grade":
         lab = find_lab(args.lab)
         out = args.out or REPO / "grades" / lab
-        work = out / "course"
+        # The repository's course (grading/gradebook.db, seen by the Formgrader), unless --out asks for a
+        # separate one: then the whole course lives in <out>/course.
+        layout = CourseLayout.isolated(out / "course", lab) if args.out else CourseLayout.repository()
         subs = collect_submissions(args.submissions, lab, out / "unzipped")
         print(f"grading {len(subs)} submission(s) of {lab}: {', '.join(subs)}")
-        results = grade(lab, subs, work, per_student_timeout_s=args.timeout)
-        csv_path = write_report(lab, results, work, out)
+        results = grade(lab, subs, layout, per_student_timeout_s=args.timeout)
+        csv_path = write_report(lab, results, layout, out)
         for r in results:
             print(f"  {r.student:20s} {r.status:10s} {r.auto_score:g}/{r.auto_max:g} auto"
                   f" (+{r.manual_max:g} to grade by hand)  {r.seconds:.0f} s")

@@ -88,7 +88,8 @@ def test_every_exercise_has_tests_and_a_wrong_answer(lab):
 @pytest.mark.parametrize("lab", LABS)
 def test_solution_full_marks_and_release_zero(lab, tmp_path, lab_times):
     submissions = {"solution": labkit.SOLUTIONS / lab / f"{lab}.ipynb", "release": labkit.LABS / lab / f"{lab}.ipynb"}
-    results = {r.student: r for r in course.grade(lab, submissions, tmp_path / "course",
+    layout = course.CourseLayout.isolated(tmp_path / "course", lab)
+    results = {r.student: r for r in course.grade(lab, submissions, layout,
                                                   per_student_timeout_s=AUTOGRADE_LIMIT_S, feedback=True)}
     solution, release = results["solution"], results["release"]
     lab_times.setdefault(lab, {})["solution autograde"] = solution.seconds
