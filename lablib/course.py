@@ -96,6 +96,7 @@ def execute(lab: str, student_version: bool = False, out_root: Path = REPO / "ex
     client = NotebookClient(nb, timeout=cell_timeout_s, kernel_name="python3",
                             allow_errors=student_version, resources={"metadata": {"path": str(dst)}})
     t0 = time.perf_counter()
+    os.environ["LABLIB_HEADLESS"] = "1"  # the kernel inherits it: widgets draw once, statically
     try:
         client.execute()
     finally:

@@ -79,7 +79,8 @@ class LiveLab:
                                      resources={"metadata": {"path": str(workdir)}})
 
     def __enter__(self):
-        self._ctx = self.client.setup_kernel(env={**os.environ, "NBGRADER_EXECUTION": "autograde"})
+        self._ctx = self.client.setup_kernel(env={**os.environ, "NBGRADER_EXECUTION": "autograde",
+                                                             "LABLIB_HEADLESS": "1"})
         self._ctx.__enter__()
         return self
 
