@@ -38,15 +38,16 @@ def headless() -> bool:
     return bool(os.environ.get("NBGRADER_EXECUTION") or os.environ.get("LABLIB_HEADLESS"))
 
 
-def explore(func, **controls):
-    """``ipywidgets.interact(func, **controls)`` for a person in JupyterLab.
+def explore(func, make_controls):
+    """``ipywidgets.interact(func, **make_controls())`` for a person in JupyterLab.
 
-    Headless, draw ``func`` once with the controls' initial values instead: widget output is not saved
-    in an executed notebook, and nbclient can deadlock on ``interact`` cells (jupyter/nbclient#312).
-    Controls are ipywidgets (their ``value`` is used headless); anything else falls back to func's default.
+    Headless, call ``func()`` once with its default arguments instead, and create no widget at all:
+    widget output is not saved in an executed notebook, and nbclient can deadlock on cells that create
+    widgets (jupyter/nbclient#312). So func's defaults are the static figure, and make_controls is a
+    function returning {argument name: ipywidget}, called only when someone can move the controls.
     """
     if headless():
-        return func(**{name: c.value for name, c in controls.items() if hasattr(c, "value")})
+        return func()
     import ipywidgets
 
-    return ipywidgets.interact(func, **controls)
+    return ipywidgets.interact(func, **make_controls())
