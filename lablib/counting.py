@@ -32,5 +32,6 @@ def count_ddp_allreduces(ddp_model: torch.nn.parallel.DistributedDataParallel) -
         counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
         return default_hooks.allreduce_hook(process_group, bucket)
 
-    ddp_model.register_comm_hook(state=None, hook=counting_allreduce)
+    # The hook's state is the group DDP reduces over, so a DDP model on a sub-group keeps using it.
+    ddp_model.register_comm_hook(state=ddp_model.process_group, hook=counting_allreduce)
     return counter

@@ -38,10 +38,12 @@ def stopwatch(times: list[float], device: torch.device) -> Iterator[None]:
     times.append(time.perf_counter() - t0)
 
 
-def barrier(device: torch.device) -> None:
-    """All ranks meet here (no-op without a process group)."""
+def barrier(device: torch.device, group=None) -> None:
+    """All ranks of group meet here (no-op without a process group)."""
     if dist.is_initialized():
-        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+        # NCCL needs to know the rank's GPU for its barrier; gloo's barrier is a CPU operation.
+        nccl = dist.get_backend(group) == "nccl"
+        dist.barrier(group=group, device_ids=[device.index] if nccl and device.type == "cuda" else None)
 
 
 def allreduce_gradients_(params: Sequence[torch.nn.Parameter], group=None) -> int:
@@ -94,14 +96,15 @@ def efficiencies(speedup_by_world_size: dict[int, float]) -> dict[int, float]:
     return {n: s / n for n, s in sorted(speedup_by_world_size.items())}
 
 
-def hidden_comm_fraction(t_compute: float, t_comm: float, t_opt: float, t_ddp: float) -> float:
-    """The fraction of the communication DDP hid behind the backward, from the two measured step times.
+def hidden_comm_fraction(t_step_no_overlap: float, t_step_overlap: float, t_comm: float) -> float:
+    """The fraction of the communication DDP hid behind the backward, from two measured step times.
 
-    Without overlap a step takes t_compute + t_comm + t_opt; DDP's step took t_ddp. The time saved,
-    divided by t_comm, is the hidden fraction: 0 = no overlap, 1 = all communication hidden. On a
-    noisy, oversubscribed CPU it can come out below 0 (DDP's extra work cost more than it hid) or
+    The same training step takes t_step_no_overlap when the all-reduce (t_comm) runs after the backward
+    and t_step_overlap with DDP's bucketed overlap. The time saved, divided by t_comm, is the hidden
+    fraction: 0 = no overlap, 1 = all communication hidden. On a noisy, oversubscribed CPU it can come out
+    below 0 (DDP's extra work, or gloo's threads taking CPU from the backward, cost more than it hid) or
     above 1 (noise); it is returned as measured, not clipped.
     """
     if t_comm <= 0:
         raise ValueError(f"t_comm={t_comm} must be positive (there is no communication at world size 1)")
-    return (t_compute + t_comm + t_opt - t_ddp) / t_comm
+    return (t_step_no_overlap - t_step_overlap) / t_comm

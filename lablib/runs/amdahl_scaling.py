@@ -1,48 +1,65 @@
-"""Lab 03's distributed step: the same training at world size N, its compute and communication timed apart.
+"""Lab 03's distributed step: the same training at world sizes 1, 2 and 4, compute and communication timed apart.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m lablib.runs.amdahl_scaling --out out.json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 -m lablib.runs.amdahl_scaling --out out.json
 
 Strong scaling: the global batch (``global_batch`` samples per step) and the total work (``samples``) are
-fixed; with N ranks each rank computes on global_batch / N samples per step. An MLP is trained twice from
-the same initial weights on the same synthetic regression data (see ``lablib.scaling`` for why):
+fixed; at world size N each of N ranks computes on global_batch / N samples per step.
+
+One torchrun job with max(world_sizes) processes measures every world size N: the first N ranks form a
+process group of their own and train on it; the other ranks wait, blocked in a collective (no CPU used).
+The world sizes take turns step by step - step 0 at N=1, then at N=2, then at N=4, then step 1 ... - so
+a burst of load from another program on a shared machine slows all of them alike, and the processes
+start once instead of once per world size (torchrun's start-up is seconds on a small machine).
+
+At each N an MLP is trained twice from the same initial weights on the same synthetic data (see
+``lablib.scaling`` for why), again taking turns step by step:
 - ``explicit``: plain model; forward+backward, then ONE explicit all-reduce of all gradients, then the
-  optimizer step, each timed on its own (compute / comm / opt), with a barrier before each;
+  optimizer step, each timed on its own (compute / wait / comm / opt), with a barrier before each;
 - ``ddp``: DistributedDataParallel (bucketed all-reduces overlapped with the backward), timed per step.
-The first ``warmup_steps`` steps of each are not timed. Every per-step time is the slowest rank's; the
-result holds their medians. Rank 0 also reports the final loss on all samples, which must not depend on N
-(the same math, split differently).
+The first ``warmup_steps`` steps are not timed. Every per-step time is the slowest rank's; the result
+holds their medians (see ``explicit_step`` for how compute, wait and step relate). Rank 0, a member of every group, also reports how far the weights trained at each
+N are from those trained by one process: float rounding only (the same math, split differently).
 Start it with 1 thread per rank (``launch.run(..., threads_per_rank=1)`` does) so that N ranks use N cores.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib import scaling, script
 from lablib.models import MLP
 
+PARTS = ("compute_s", "wait_s", "comm_s", "opt_s")
+EVAL_SAMPLES = 4096   # the loss reported before and after training is measured on the first 4096 samples
+
 
 @dataclass(frozen=True)
 class Config:
-    samples: int = 40960         # total samples trained at every world size (the fixed work)
-    global_batch: int = 2048     # samples per optimizer step, over all ranks
-    warmup_steps: int = 2        # first steps of each variant, not timed (allocations, DDP bucket rebuild)
+    world_sizes: tuple[int, ...] = (1, 2, 4)  # measured in turn; start the job with max(world_sizes) ranks
+    samples: int = 24576         # total samples trained at every world size (the fixed work)
+    global_batch: int = 2048     # samples per optimizer step, over all ranks of a world size
+    warmup_steps: int = 2        # first steps, not timed (allocations, DDP's bucket rebuild)
     d_in: int = 256
     d_hidden: int = 512
     n_hidden: int = 2
-    lr: float = 0.05
-    bucket_cap_mb: float = 25.0
+    lr: float = 0.2
+    # DDP's default is 25 MB; this MLP's 1.6 MB of gradients would then be ONE bucket, all-reduced only after
+    # the whole backward, with nothing left to overlap. 0.5 MB gives 2 buckets: the first (last layers)
+    # is all-reduced while the backward of the first layer still runs.
+    bucket_cap_mb: float = 0.5
     seed: int = 0
 
     def validate(self) -> None:
         for name in ("samples", "global_batch", "d_in", "d_hidden", "n_hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not self.world_sizes or min(self.world_sizes) < 1 or len(set(self.world_sizes)) != len(self.world_sizes):
+            raise ValueError(f"world_sizes={self.world_sizes} must be distinct positive integers, e.g. (1, 2, 4)")
         if self.samples % self.global_batch:
             raise ValueError(f"samples={self.samples} must be a multiple of global_batch={self.global_batch} "
                              f"(every world size trains the same whole steps)")
@@ -51,11 +68,30 @@ class Config:
                              f"{self.samples // self.global_batch}; lower it or raise samples")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive (DDP's default is 25)")
+        for n in self.world_sizes:
+            if self.global_batch % n:
+                raise ValueError(f"global_batch={self.global_batch} does not split over {n} ranks; use a "
+                                 f"global_batch divisible by every world size in {self.world_sizes}")
 
     def validate_world(self, world_size: int) -> None:
-        if self.global_batch % world_size:
-            raise ValueError(f"global_batch={self.global_batch} does not split over {world_size} ranks; "
-                             f"use a global_batch divisible by the world size (e.g. {world_size * 32})")
+        if world_size != max(self.world_sizes):
+            raise ValueError(f"world_sizes={self.world_sizes} need exactly {max(self.world_sizes)} processes "
+                             f"(the largest world size), got {world_size}; start it with nproc={max(self.world_sizes)}")
+
+
+@dataclass
+class Replica:
+    """What one rank holds to train at one world size: both variants, their optimizers, their timings."""
+    world_size: int
+    group: object                 # the process group of ranks 0..world_size-1 (None without torchrun)
+    plain: torch.nn.Module
+    ddp: torch.nn.Module
+    opt_plain: torch.optim.Optimizer
+    opt_ddp: torch.optim.Optimizer
+    parts: dict = field(default_factory=lambda: {k: [] for k in PARTS})
+    step_times: list = field(default_factory=list)     # the explicit step as a whole, this rank
+    ddp_times: list = field(default_factory=list)
+    comm_bytes: int = 0
 
 
 def dataset(config: Config, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +102,10 @@ def dataset(config: Config, device) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(device), y.to(device)
 
 
-def rank_batch(x, y, step: int, config: Config, env) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_batch(x, y, step: int, config: Config, rank: int, world_size: int):
     """This rank's contiguous share of step's global batch: (global_batch / N, d_in) and (..., 1)."""
-    per_rank = config.global_batch // env.world_size
-    start = step * config.global_batch + env.rank * per_rank
+    per_rank = config.global_batch // world_size
+    start = step * config.global_batch + rank * per_rank
     return x[start:start + per_rank], y[start:start + per_rank]
 
 
@@ -78,53 +114,55 @@ def new_model(config: Config, device) -> torch.nn.Module:
     return MLP(config.d_in, config.d_hidden, 1, config.n_hidden).to(device)
 
 
-def train_explicit(env, config: Config, x, y) -> tuple[dict, torch.nn.Module]:
-    """No overlap: compute, then one all-reduce, then the optimizer step, each timed on its own."""
-    model = new_model(config, env.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
-    parts = {"compute_s": [], "wait_s": [], "comm_s": [], "opt_s": []}
-    steps, comm_bytes = config.samples // config.global_batch, 0
-    t_start = time.perf_counter()
-    for step in range(steps):
-        xb, yb = rank_batch(x, y, step, config, env)
-        optimizer.zero_grad(set_to_none=True)
-        scaling.barrier(env.device)
-        with scaling.stopwatch(parts["compute_s"], env.device):
-            F.mse_loss(model(xb), yb).backward()
-        with scaling.stopwatch(parts["wait_s"], env.device):
-            scaling.barrier(env.device)       # the slowest rank's compute decides when comm can start
-        with scaling.stopwatch(parts["comm_s"], env.device):
-            comm_bytes = scaling.allreduce_gradients_(list(model.parameters()))
-        with scaling.stopwatch(parts["opt_s"], env.device):
-            optimizer.step()
-        script.progress(env, step + 1, 2 * steps)
-    total_s = time.perf_counter() - t_start
-    timed = {k: scaling.slowest_rank(v[config.warmup_steps:], env.device) for k, v in parts.items()}
-    step_s = [sum(p) for p in zip(*timed.values())]
-    metrics = {**{f"median_{k}": scaling.median(v) for k, v in timed.items()},
-               "median_step_s": scaling.median(step_s), "step_s": step_s, "comm_bytes": comm_bytes,
-               "total_s": total_s}
-    return metrics, model
+def new_replica(env, config: Config, world_size: int, group) -> Replica:
+    plain = new_model(config, env.device)
+    ddp = new_model(config, env.device)
+    if dist.is_initialized():
+        ddp = DDP(ddp, process_group=group, bucket_cap_mb=config.bucket_cap_mb)
+    return Replica(world_size, group, plain, ddp, torch.optim.SGD(plain.parameters(), lr=config.lr),
+                   torch.optim.SGD(ddp.parameters(), lr=config.lr))
 
 
-def train_ddp(env, config: Config, x, y) -> tuple[dict, torch.nn.Module]:
-    """DDP as in practice: bucketed all-reduces start during the backward. Timed per whole step."""
-    model = DDP(new_model(config, env.device), bucket_cap_mb=config.bucket_cap_mb)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
-    times: list[float] = []
-    steps = config.samples // config.global_batch
-    t_start = time.perf_counter()
-    for step in range(steps):
-        xb, yb = rank_batch(x, y, step, config, env)
-        optimizer.zero_grad(set_to_none=True)
-        scaling.barrier(env.device)
-        with scaling.stopwatch(times, env.device):
-            F.mse_loss(model(xb), yb).backward()   # all-reduces overlap this backward
-            optimizer.step()
-        script.progress(env, steps + step + 1, 2 * steps)
-    total_s = time.perf_counter() - t_start
-    step_s = scaling.slowest_rank(times[config.warmup_steps:], env.device)
-    return {"median_step_s": scaling.median(step_s), "step_s": step_s, "total_s": total_s}, model.module
+def explicit_step(env, r: Replica, xb, yb) -> None:
+    """No overlap: compute, then one all-reduce, then the optimizer step, each timed on its own.
+
+    On every rank compute + wait is the same time, the slowest rank's compute (the fast ranks wait for
+    it at the barrier), so the step is (slowest compute) + comm + opt; ``wait`` shows the imbalance.
+    """
+    r.opt_plain.zero_grad(set_to_none=True)
+    scaling.barrier(env.device, r.group)
+    with scaling.stopwatch(r.step_times, env.device):
+        with scaling.stopwatch(r.parts["compute_s"], env.device):
+            F.mse_loss(r.plain(xb), yb).backward()
+        with scaling.stopwatch(r.parts["wait_s"], env.device):
+            scaling.barrier(env.device, r.group)   # the slowest rank's compute decides when comm can start
+        with scaling.stopwatch(r.parts["comm_s"], env.device):
+            r.comm_bytes = scaling.allreduce_gradients_(list(r.plain.parameters()), r.group)
+        with scaling.stopwatch(r.parts["opt_s"], env.device):
+            r.opt_plain.step()
+
+
+def ddp_step(env, r: Replica, xb, yb) -> None:
+    """DDP as in practice: bucketed all-reduces start during the backward. Timed as a whole."""
+    r.opt_ddp.zero_grad(set_to_none=True)
+    scaling.barrier(env.device, r.group)
+    with scaling.stopwatch(r.ddp_times, env.device):
+        F.mse_loss(r.ddp(xb), yb).backward()       # the all-reduces overlap this backward
+        r.opt_ddp.step()
+
+
+def summarize(env, r: Replica, config: Config) -> dict:
+    """Medians of the slowest rank's per-step times (a collective among this world size's ranks)."""
+    w = config.warmup_steps
+    # Per part and per step the largest value over the ranks: "compute" is the slowest rank's, "wait" the
+    # longest any rank waited for it (the imbalance, already inside the slowest rank's compute time).
+    timed = {k: scaling.slowest_rank(v[w:], env.device, r.group) for k, v in r.parts.items()}
+    explicit_step_s = scaling.slowest_rank(r.step_times[w:], env.device, r.group)
+    ddp_step_s = scaling.slowest_rank(r.ddp_times[w:], env.device, r.group)
+    return {"explicit": {**{f"median_{k}": scaling.median(v) for k, v in timed.items()},
+                         "median_step_s": scaling.median(explicit_step_s), "step_s": explicit_step_s, **timed},
+            "ddp": {"median_step_s": scaling.median(ddp_step_s), "step_s": ddp_step_s},
+            "comm_bytes": r.comm_bytes}
 
 
 def full_loss(model: torch.nn.Module, x, y) -> float:
@@ -132,23 +170,50 @@ def full_loss(model: torch.nn.Module, x, y) -> float:
         return F.mse_loss(model(x), y).item()
 
 
+def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
 def train(env, config: Config) -> dict:
     x, y = dataset(config, env.device)
-    explicit, model_explicit = train_explicit(env, config, x, y)
-    ddp, model_ddp = train_ddp(env, config, x, y)
-    result = {"explicit": explicit, "ddp": ddp, "world_size": env.world_size,
-              "threads_per_rank": torch.get_num_threads(),
-              "n_params": sum(p.numel() for p in model_ddp.parameters()),
-              "steps": config.samples // config.global_batch}
+    # Every rank creates every group, in the same order (new_group is collective); ranks 0..n-1 form group n.
+    groups = {n: dist.new_group(list(range(n))) if dist.is_initialized() else None for n in config.world_sizes}
+    # Largest world size first: every rank then builds its first DDP (whose first use imports
+    # torch._dynamo, ~2 s of CPU) at the same time, instead of one rank after another.
+    mine = {n: new_replica(env, config, n, groups[n]) for n in sorted(config.world_sizes, reverse=True) if env.rank < n}
+    mine = {n: mine[n] for n in config.world_sizes if n in mine}     # back to the order they take turns in
+    steps = config.samples // config.global_batch
+    for step in range(steps):
+        for n, r in mine.items():   # world sizes take turns; ranks outside group n go on and wait at its next barrier
+            xb, yb = rank_batch(x, y, step, config, env.rank, n)
+            explicit_step(env, r, xb, yb)
+            ddp_step(env, r, xb, yb)
+        script.progress(env, step + 1, steps)
+    by_world_size = {n: summarize(env, r, config) for n, r in mine.items()}
+    result = {"by_world_size": by_world_size, "processes": env.world_size,
+              "threads_per_rank": torch.get_num_threads(), "steps": steps,
+              "timed_steps": steps - config.warmup_steps}
     if env.is_main:
-        result["final_loss_explicit"] = full_loss(model_explicit, x, y)
-        result["final_loss_ddp"] = full_loss(model_ddp, x, y)
-        e = explicit
-        print(f"N={env.world_size} ({torch.get_num_threads()} thread(s)/rank): explicit step "
-              f"{e['median_step_s'] * 1e3:.1f} ms = compute {e['median_compute_s'] * 1e3:.1f} + wait "
-              f"{e['median_wait_s'] * 1e3:.1f} + comm {e['median_comm_s'] * 1e3:.1f} + opt "
-              f"{e['median_opt_s'] * 1e3:.1f} ms; DDP step {ddp['median_step_s'] * 1e3:.1f} ms; "
-              f"final loss {result['final_loss_ddp']:.4f}")
+        # Rank 0 is in every group, so it holds the weights trained at every world size: compare them.
+        x_eval, y_eval = x[:EVAL_SAMPLES], y[:EVAL_SAMPLES]
+        initial = new_model(config, env.device)
+        result["n_params"] = sum(p.numel() for p in initial.parameters())
+        result["initial_loss"] = full_loss(initial, x_eval, y_eval)
+        reference = mine[min(mine)].plain     # the smallest world size's explicit run (N=1: one process)
+        for n, r in mine.items():
+            ddp_module = r.ddp.module if isinstance(r.ddp, DDP) else r.ddp
+            m = by_world_size[n]
+            m["final_loss_explicit"] = full_loss(r.plain, x_eval, y_eval)
+            m["final_loss_ddp"] = full_loss(ddp_module, x_eval, y_eval)
+            m["max_abs_diff_explicit_vs_ddp"] = max_abs_diff(r.plain, ddp_module)
+            m["max_abs_diff_vs_smallest_world_size"] = max(max_abs_diff(r.plain, reference),
+                                                           max_abs_diff(ddp_module, reference))
+            e = m["explicit"]
+            print(f"N={n} ({torch.get_num_threads()} thread(s)/rank): explicit step {e['median_step_s'] * 1e3:.1f} ms "
+                  f"= compute {e['median_compute_s'] * 1e3:.1f} + wait {e['median_wait_s'] * 1e3:.1f} + comm "
+                  f"{e['median_comm_s'] * 1e3:.1f} + opt {e['median_opt_s'] * 1e3:.1f} ms; DDP step "
+                  f"{m['ddp']['median_step_s'] * 1e3:.1f} ms; loss {result['initial_loss']:.4f} -> "
+                  f"{m['final_loss_ddp']:.4f}")
     return result
 
 
