@@ -1,0 +1,111 @@
+"""Point-to-point communication that counts its bytes, so traffic is measured instead of trusted.
+
+Lab 02's ring all-reduce never calls ``torch.distributed`` directly: it receives a ``CountingComm`` and calls
+``comm.isend / comm.irecv / comm.send / comm.recv``. Each call is forwarded unchanged to torch.distributed
+and adds the tensor's size (``numel * element_size``, exact) to this rank's counters, in total and per peer.
+A call is counted when it is posted: a posted receive is a promise to accept that many bytes.
+
+    comm = CountingComm(env.rank, env.world_size)
+    work = comm.isend(chunk, dst=(comm.rank + 1) % comm.world_size)   # returns torch's Work; .wait() it
+    comm.counts()    # {"bytes_sent": ..., "bytes_received": ..., "sends": ..., "sent_to": {peer: bytes}, ...}
+
+On gloo (and on NCCL, for large messages) a blocking ``send`` returns only once the peer has posted the
+matching receive, so every rank calling ``send`` before ``recv`` deadlocks: post both with
+``isend``/``irecv``, then wait.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TrafficCount:
+    """What one rank posted: bytes and calls, in total and per peer rank."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sends: int = 0
+    recvs: int = 0
+    sent_to: dict = field(default_factory=lambda: defaultdict(int))
+    received_from: dict = field(default_factory=lambda: defaultdict(int))
+
+    def as_dict(self) -> dict:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "sends": self.sends,
+                "recvs": self.recvs, "sent_to": dict(self.sent_to), "received_from": dict(self.received_from)}
+
+
+class CountingComm:
+    """send/recv/isend/irecv between the ranks of one process group, with exact byte counters.
+
+    rank, world_size: this process's place in the group (``group`` None = the default group).
+    A world size of 1 needs no process group at all: there is nobody to talk to, and any call is an error.
+    """
+
+    def __init__(self, rank: int, world_size: int, group=None):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size} (ranks are 0..{world_size - 1})")
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.traffic = TrafficCount()
+
+    # --- the four calls ------------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Blocking send: returns once ``dst`` has received (so ``dst`` must post its receive first or concurrently)."""
+        self._count_send(tensor, dst)
+        dist.send(tensor, dst, group=self.group)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Blocking receive from ``src`` into ``tensor`` (its size says how many bytes are expected)."""
+        self._count_recv(tensor, src)
+        dist.recv(tensor, src, group=self.group)
+
+    def isend(self, tensor: torch.Tensor, dst: int):
+        """Non-blocking send; returns a Work whose ``.wait()`` returns once the send completed.
+        Do not modify ``tensor`` before then."""
+        self._count_send(tensor, dst)
+        return dist.isend(tensor, dst, group=self.group)
+
+    def irecv(self, tensor: torch.Tensor, src: int):
+        """Non-blocking receive into ``tensor``; read it only after ``.wait()`` on the returned Work."""
+        self._count_recv(tensor, src)
+        return dist.irecv(tensor, src, group=self.group)
+
+    # --- counters ------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.traffic = TrafficCount()
+
+    def counts(self) -> dict:
+        return self.traffic.as_dict()
+
+    def _check(self, tensor: torch.Tensor, peer: int, verb: str) -> int:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"comm.{verb} needs a torch.Tensor, got {type(tensor).__name__}")
+        if not isinstance(peer, int) or not 0 <= peer < self.world_size:
+            raise ValueError(f"rank {self.rank}: comm.{verb} to/from rank {peer!r}, but the ranks are "
+                             f"0..{self.world_size - 1} (use % world_size to wrap around the ring)")
+        if peer == self.rank:
+            raise ValueError(f"rank {self.rank}: comm.{verb} with itself; a rank's neighbours in the ring are "
+                             f"(rank + 1) % world_size and (rank - 1) % world_size")
+        if not tensor.is_contiguous():
+            raise ValueError(f"rank {self.rank}: comm.{verb} needs a contiguous tensor (got shape "
+                             f"{tuple(tensor.shape)}, strides {tensor.stride()}); chunks of tensor.view(-1) are contiguous")
+        return tensor.numel() * tensor.element_size()
+
+    def _count_send(self, tensor: torch.Tensor, dst: int) -> None:
+        n_bytes = self._check(tensor, dst, "send")
+        self.traffic.bytes_sent += n_bytes
+        self.traffic.sends += 1
+        self.traffic.sent_to[dst] += n_bytes
+
+    def _count_recv(self, tensor: torch.Tensor, src: int) -> None:
+        n_bytes = self._check(tensor, src, "recv")
+        self.traffic.bytes_received += n_bytes
+        self.traffic.recvs += 1
+        self.traffic.received_from[src] += n_bytes

@@ -1,0 +1,82 @@
+"""lablib.p2p.CountingComm and the lab 02 run script: exact byte counts, clear errors, no hang on a deadlock.
+
+The run script is driven here with the naive all-reduce (lablib's baseline) as the "student" module, so no
+solution of the lab's exercise is needed: its byte counts are known in closed form.
+"""
+
+import pytest
+import torch
+
+from lablib import launch
+from lablib.p2p import CountingComm
+
+
+def test_world_size_one_needs_no_process_group():
+    comm = CountingComm(0, 1)
+    assert comm.counts() == {"bytes_sent": 0, "bytes_received": 0, "sends": 0, "recvs": 0,
+                             "sent_to": {}, "received_from": {}}
+
+
+@pytest.mark.parametrize("peer, match", [(3, "ranks are 0..2"), (1, "with itself"), (-1, "ranks are 0..2")])
+def test_bad_peer_is_a_clear_error(peer, match):
+    comm = CountingComm(1, 3)
+    with pytest.raises(ValueError, match=match):
+        comm.isend(torch.zeros(4), peer)
+
+
+def test_non_contiguous_tensor_is_a_clear_error():
+    comm = CountingComm(0, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.irecv(torch.zeros(4, 4).t(), 1)
+
+
+def test_bad_rank_rejected():
+    with pytest.raises(ValueError, match="not in a world of size 2"):
+        CountingComm(2, 2)
+
+
+NAIVE_IMPL = "from lablib.runs.ring_allreduce import naive_all_reduce as ring_all_reduce\n"
+
+
+def test_run_script_counts_bytes_exactly(tmp_path):
+    impl = tmp_path / "naive_impl.py"
+    impl.write_text(NAIVE_IMPL)
+    result = launch.run("ring_allreduce", nproc=3, impl=str(impl), sizes=(5, 1000), dtypes=("float32", "bfloat16"),
+                        timeout_s=120, quiet=True)
+    rows = result["metrics"]["check"]
+    assert len(rows) == 4
+    for r in rows:
+        M = r["n_bytes"]
+        assert r["max_abs_err"] == 0.0
+        # naive: rank 0 receives N-1 tensors and sends N-1; the others one each way.
+        assert r["bytes_sent"] == [2 * M, M, M]
+        assert r["bytes_received"] == [2 * M, M, M]
+        assert r["naive_bytes_sent"] == r["bytes_sent"]
+        assert r["element_size"] == (4 if r["dtype"] == "float32" else 2)
+
+
+def test_run_script_benchmark_reports_medians(tmp_path):
+    impl = tmp_path / "naive_impl.py"
+    impl.write_text(NAIVE_IMPL)
+    result = launch.run("ring_allreduce", nproc=2, impl=str(impl), sizes=(), bench_bytes=(1024, 65536), repeats=1,
+                        timeout_s=120, quiet=True)
+    bench = result["metrics"]["bench"]
+    assert bench["n_bytes"] == [1024, 65536]
+    for name in ("ring", "naive", "gloo"):
+        assert len(bench[f"{name}_s"]) == 2 and all(t > 0 for t in bench[f"{name}_s"])
+    assert len(bench["ring_all_s"][0]) == 4       # messages up to 1 MiB are repeated 4x
+
+
+def test_deadlock_fails_fast_with_a_message(tmp_path):
+    impl = tmp_path / "deadlock_impl.py"
+    impl.write_text("def ring_all_reduce(tensor, comm):\n"
+                    "    comm.send(tensor, (comm.rank + 1) % comm.world_size)\n"
+                    "    comm.recv(tensor, (comm.rank - 1) % comm.world_size)\n"
+                    "    return tensor\n")
+    with pytest.raises(launch.RunError, match="deadlock"):
+        launch.run("ring_allreduce", nproc=2, impl=str(impl), sizes=(16,), deadlock_s=3.0, timeout_s=60, quiet=True)
+
+
+def test_unknown_dtype_rejected_before_start():
+    with pytest.raises(ValueError, match="not supported"):
+        launch.run("ring_allreduce", nproc=2, dtypes=("float8",), timeout_s=10)

@@ -1,0 +1,108 @@
+"""Wrong answers for lab 02 (see tests/wrong_answers/__init__.py)."""
+
+_RING_HEADER = '''%%writefile ring_impl.py
+import torch
+
+
+def ring_all_reduce(tensor, comm):
+    n, rank = comm.world_size, comm.rank
+    if n == 1:
+        return tensor
+'''
+
+WRONG_ANSWERS = {
+    "ring_cost": [
+        ("forgets the (N-1)/N factor: 2M bytes per rank", '''
+def ring_bytes_per_rank(n_bytes, world_size):
+    return 2 * n_bytes
+
+
+def ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s=0.0):
+    return 2 * (world_size - 1) * alpha_s + ring_bytes_per_rank(n_bytes, world_size) / bandwidth_bytes_per_s
+'''),
+        ("pays the latency alpha once instead of once per step", '''
+def ring_bytes_per_rank(n_bytes, world_size):
+    return 2 * (world_size - 1) / world_size * n_bytes
+
+
+def ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s=0.0):
+    return alpha_s + ring_bytes_per_rank(n_bytes, world_size) / bandwidth_bytes_per_s
+'''),
+    ],
+    "ring_allreduce": [
+        ("blocking send before recv on every rank: deadlock", _RING_HEADER + '''
+    chunks = torch.tensor_split(tensor.view(-1), n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv_i])
+        comm.send(chunks[send_i], right)
+        comm.recv(incoming, left)
+        chunks[recv_i].add_(incoming)
+    for step in range(n - 1):
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        comm.send(chunks[send_i], right)
+        comm.recv(chunks[recv_i], left)
+    return tensor
+'''),
+        ("gathers everything to rank 0 and broadcasts: right sum, rank 0 sends (N-1) x M", _RING_HEADER + '''
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for src in range(1, n):
+            comm.recv(incoming, src)
+            tensor += incoming
+        for work in [comm.isend(tensor, dst) for dst in range(1, n)]:
+            work.wait()
+    else:
+        comm.send(tensor, 0)
+        comm.recv(tensor, 0)
+    return tensor
+'''),
+        ("pads every chunk to ceil(M/N) elements: right sum, padding bytes on the wire", _RING_HEADER + '''
+    flat = tensor.view(-1)
+    c = -(-flat.numel() // n)
+    padded = torch.zeros(n * c, dtype=tensor.dtype)
+    padded[: flat.numel()] = flat
+    chunks = padded.view(n, c)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    incoming = torch.empty(c, dtype=tensor.dtype)
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        works = [comm.isend(chunks[send_i], right), comm.irecv(incoming, left)]
+        for w in works:
+            w.wait()
+        chunks[recv_i].add_(incoming)
+    for step in range(n - 1):
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        works = [comm.isend(chunks[send_i], right), comm.irecv(chunks[recv_i], left)]
+        for w in works:
+            w.wait()
+    flat.copy_(padded[: flat.numel()])
+    return tensor
+'''),
+        ("stops after the reduce-scatter: each rank holds only its own reduced chunk", _RING_HEADER + '''
+    chunks = torch.tensor_split(tensor.view(-1), n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv_i])
+        works = [comm.isend(chunks[send_i], right), comm.irecv(incoming, left)]
+        for w in works:
+            w.wait()
+        chunks[recv_i].add_(incoming)
+    return tensor
+'''),
+    ],
+    "gradient_cost": [
+        ("assumes 4 bytes per parameter whatever the dtype", '''
+def gradient_allreduce_cost(n_params, dtype, world_size, bandwidth_bytes_per_s, alpha_s=0.0):
+    n_bytes = n_params * 4
+    return ring_bytes_per_rank(n_bytes, world_size), ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s)
+'''),
+    ],
+    "latency_answer": [
+        ("picks the ring because it is bandwidth-optimal", '''
+latency_answer = "a"
+'''),
+    ],
+}
