@@ -9,6 +9,10 @@ Read it like a table of contents:
 - ``lablib.data``      Tiny Shakespeare: download/verify/cache, character tokenizer, batches
 - ``lablib.models``    a small GPT (nanoGPT names) and a small MLP; no parallelism inside
 - ``lablib.counting``  counting the collectives a training step really issues
+- ``lablib.p2p``       point-to-point sends and receives that count their bytes (lab 02)
+- ``lablib.commcost``  the alpha-beta cost model, its fit, interconnects and model sizes (lab 02)
+- ``lablib.scaling``   timing a step's compute and communication apart (lab 03)
+- ``lablib.memory``    bytes held in parameters, gradients, optimizer state and activations (lab 04)
 - ``lablib.checks``    the assertions the notebooks' graded tests use (clear messages, with hints)
 - ``lablib.plots``     the course's matplotlib conventions
 - ``lablib.course``    instructor tooling: release, execute and autograde labs with nbgrader
