@@ -102,25 +102,39 @@ def _run_processes(root_proc: subprocess.Popen, run_id: str) -> list[psutil.Proc
     return list(found.values())
 
 
-def kill_run(root_proc: subprocess.Popen, run_id: str, grace_s: float = 3.0) -> None:
-    """Terminate every process of a run (SIGTERM, then SIGKILL after grace_s).
+def kill_run(root_proc: subprocess.Popen, run_id: str, grace_s: float = 3.0, deadline_s: float = 15.0) -> None:
+    """Terminate every process of a run: SIGTERM, then SIGKILL after grace_s, repeated until none is left.
 
     root_proc must have been started with ``RUN_MARKER=run_id`` in its environment; every descendant
-    inherits it, so even workers started in sessions of their own, or orphaned, are found.
+    inherits it, so even workers started in sessions of their own, or orphaned, or spawned while we were
+    killing the others, are found.
     """
-    procs = _run_processes(root_proc, run_id)
+    def alive() -> list[psutil.Process]:
+        root_proc.poll()  # reap our own child, so it does not linger as a zombie
+        found = []
+        for proc in _run_processes(root_proc, run_id):
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+            except psutil.Error:
+                pass
+        return found
+
+    procs = alive()
     for proc in procs:
         try:
             proc.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive + [p for p in _run_processes(root_proc, run_id) if p not in procs]:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
+    psutil.wait_procs(procs, timeout=grace_s)
+    deadline = time.monotonic() + deadline_s
+    while (left := alive()) and time.monotonic() < deadline:
+        for proc in left:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=1.0)
     try:
         root_proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
