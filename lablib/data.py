@@ -137,7 +137,7 @@ class BlockDataset(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def make_loader(dataset: Dataset, batch_size: int, env, shuffle: bool = True, seed: int = 0) -> DataLoader:
+def make_loader(dataset: Dataset, batch_size: int, env, *, shuffle: bool = True, seed: int = 0) -> DataLoader:
     """A DataLoader whose DistributedSampler gives this rank its own 1/world_size of the data.
 
     Call ``loader.sampler.set_epoch(epoch)`` at the start of every epoch: the shuffle is seeded with

@@ -110,6 +110,10 @@ def distributed(timeout_s: float = DEFAULT_PG_TIMEOUT_S) -> Iterator[DistEnv]:
         dist.init_process_group(**kwargs)
     try:
         yield env
+        if dist.is_initialized():
+            # Every rank finishes its last collective before any rank tears the group down; without this,
+            # gloo can abort a rank that is still sending ("terminate called without an active exception").
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

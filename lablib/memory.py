@@ -152,23 +152,3 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor],
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
     return SavedActivations(sum(v[2] for v in seen.values()), list(seen.values()), n_saved), out
-
-
-class Checkpointed(torch.nn.Module):
-    """Wraps a module so its forward is recomputed in the backward instead of keeping its activations
-    (``torch.utils.checkpoint``, non-reentrant): only the module's inputs are saved."""
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args):
-        return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
-
-
-def checkpoint_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """Activation checkpointing applied from outside: every block of a GPT's ``model.h`` recomputed."""
-    for i, block in enumerate(model.h):
-        if not isinstance(block, Checkpointed):
-            model.h[i] = Checkpointed(block)
-    return model

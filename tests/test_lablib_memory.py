@@ -57,7 +57,7 @@ def test_saved_activations_of_a_block():
 
 def test_checkpointing_keeps_only_block_inputs():
     B, T, C = 2, 16, 32
-    model = memory.checkpoint_blocks(GPT(GPTConfig(n_layer=3, n_embd=C, n_head=4, block_size=T)))
+    model = apply_activation_checkpointing(GPT(GPTConfig(n_layer=3, n_embd=C, n_head=4, block_size=T)))
     plain = GPT(GPTConfig(n_layer=3, n_embd=C, n_head=4, block_size=T))
     idx = torch.randint(0, 65, (B, T))
     ck, loss = memory.saved_activation_bytes(lambda: model(idx, idx)[1], exclude=model.parameters())

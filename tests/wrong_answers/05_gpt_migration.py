@@ -1,0 +1,161 @@
+"""Wrong answers for lab 05 (see tests/wrong_answers/__init__.py)."""
+
+_DDP_HEADER = '''%%writefile ddp_impl.py
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+'''
+
+_WRAP = '''
+
+def wrap_model(model, env):
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids)
+'''
+_LOADER = '''
+
+def make_loader(dataset, batch_size, env, seed):
+    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed,
+                                 drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+'''
+_EPOCH = '''
+
+def start_epoch(loader, epoch):
+    loader.sampler.set_epoch(epoch)
+'''
+_MEAN = '''
+
+def mean_across_ranks(value, env):
+    total = value.detach().clone().float()
+    dist.all_reduce(total)
+    return total.item() / env.world_size
+'''
+
+_FSDP_HEADER = '''%%writefile fsdp_impl.py
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model, mesh=None):
+'''
+
+_ACC = '''%%writefile accelerate_impl.py
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+
+def train_loop(model, optimizer, train_set, val_set, config, on_step):
+    accelerator = Accelerator()
+    loader = DataLoader(train_set, batch_size=config.batch_size // accelerator.num_processes, shuffle=True,
+                        drop_last=True)
+    val_loader = DataLoader(val_set, batch_size=config.val_batch_size // accelerator.num_processes)
+    PREPARE
+    curve, step = [], 0
+    while step < config.steps:
+        for x, y in loader:
+            x, y = x.to(accelerator.device), y.to(accelerator.device)
+            _, loss = model(x, y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            on_step(step, loss)
+            if step % config.eval_every == 0 or step == config.steps:
+                curve.append((step, evaluate(model, val_loader, accelerator)))
+                accelerator.print(f"step {step}: val loss {curve[-1][1]:.4f}")
+            if step == config.steps:
+                break
+    return curve
+
+
+@torch.no_grad()
+def evaluate(model, val_loader, accelerator):
+    model.eval()
+    losses = []
+    for x, y in val_loader:
+        x, y = x.to(accelerator.device), y.to(accelerator.device)
+        logits, _ = model(x)
+        per_sequence = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+        losses.append(accelerator.gather_for_metrics(per_sequence))
+    model.train()
+    return torch.cat(losses).mean().item()
+'''
+
+WRONG_ANSWERS = {
+    "ddp_parts": [
+        ("a plain shuffled DataLoader instead of a DistributedSampler: every rank trains on the same data",
+         _DDP_HEADER + _WRAP + '''
+
+def make_loader(dataset, batch_size, env, seed):
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
+                      generator=torch.Generator().manual_seed(seed))
+''' + '''
+
+def start_epoch(loader, epoch):
+    pass
+''' + _MEAN),
+        ("forgets set_epoch: every epoch replays epoch 0's order", _DDP_HEADER + _WRAP + _LOADER + '''
+
+def start_epoch(loader, epoch):
+    pass
+''' + _MEAN),
+        ("all_reduce without dividing by the world size (sum, not mean)", _DDP_HEADER + _WRAP + _LOADER + _EPOCH + '''
+
+def mean_across_ranks(value, env):
+    total = value.detach().clone().float()
+    dist.all_reduce(total)
+    return total.item()
+'''),
+        ("reports rank 0's own value without any all_reduce", _DDP_HEADER + _WRAP + _LOADER + _EPOCH + '''
+
+def mean_across_ranks(value, env):
+    return value.item()
+'''),
+        ("forgets to wrap the model in DDP: gradients are never averaged, the ranks drift apart",
+         _DDP_HEADER + '''
+
+def wrap_model(model, env):
+    return model
+''' + _LOADER + _EPOCH + _MEAN),
+    ],
+    "apply_fsdp": [
+        ("only fully_shard at the root: the whole model is one unit, all-gathered at once", _FSDP_HEADER + '''
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+'''),
+        ("shards the blocks but forgets the root: embeddings and final LayerNorm stay replicated", _FSDP_HEADER + '''
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return model
+'''),
+        ("no mixed-precision policy: computes in fp32", _FSDP_HEADER + '''
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+'''),
+        ("reduces gradients in bf16 too", _FSDP_HEADER + '''
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for block in model.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+'''),
+    ],
+    "accelerate_loop": [
+        ("prepares the model and optimizer but not the data loaders: every process trains on the same batches",
+         _ACC.replace("PREPARE", "model, optimizer = accelerator.prepare(model, optimizer)")),
+        ("prepares the data loaders but not the model: no DDP, the processes drift apart",
+         _ACC.replace("PREPARE", "optimizer, loader, val_loader = accelerator.prepare(optimizer, loader, val_loader)")),
+    ],
+    "pick_strategy": [
+        ("believes FSDP is always the better choice", 'pick = {"S1": "fsdp", "S2": "fsdp", "S3": "accelerate"}'),
+        ("believes Accelerate shards a model that does not fit by itself", 'pick = {"S1": "ddp", "S2": "accelerate", "S3": "accelerate"}'),
+    ],
+}
