@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from lablib import launch, memory
+from lablib.checkpointing import apply_activation_checkpointing
 from lablib.models import GPT, Block, GPTConfig
 
 
