@@ -13,6 +13,9 @@ Read it like a table of contents:
 - ``lablib.commcost``  the alpha-beta cost model, its fit, interconnects and model sizes (lab 02)
 - ``lablib.scaling``   timing a step's compute and communication apart (lab 03)
 - ``lablib.memory``    bytes held in parameters, gradients, optimizer state and activations (lab 04)
+- ``lablib.checkpointing``  activation checkpointing applied to a plain model from outside
+- ``lablib.benchmark`` one way to measure every variant: tokens/s, memory per rank, collectives (lab 05)
+- ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)
 - ``lablib.checks``    the assertions the notebooks' graded tests use (clear messages, with hints)
 - ``lablib.plots``     the course's matplotlib conventions
 - ``lablib.course``    instructor tooling: release, execute and autograde labs with nbgrader
