@@ -2,7 +2,8 @@
 
 - every rank trained on its own samples (``RecordingDataset`` remembers the indices a process loaded;
   ``shard_report`` compares the ranks' lists once gathered);
-- every rank ends with the same weights (``weight_spread``: 0.0 when they are bit-identical).
+- every rank ends with the same weights (``weight_spread``: 0.0 when they are bit-identical);
+- a parallel run ends where a single-process reference does (``max_abs_diff`` of two models' weights).
 
 They read what happened; they do not know how the sampler or the wrapper was written.
 """
@@ -55,3 +56,8 @@ def weight_spread(model: torch.nn.Module, env) -> float:
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     return (hi - lo).max().item()
+
+
+def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """Largest |weight of a - weight of b| over all parameters (two models of the same architecture)."""
+    return max((p.detach() - q.detach()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))

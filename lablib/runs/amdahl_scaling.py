@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib import scaling, script
 from lablib.models import MLP
+from lablib.rankcheck import max_abs_diff
 
 PARTS = ("compute_s", "wait_s", "comm_s", "opt_s")
 EVAL_SAMPLES = 4096   # the loss reported before and after training is measured on the first 4096 samples
@@ -168,10 +169,6 @@ def summarize(env, r: Replica, config: Config) -> dict:
 def full_loss(model: torch.nn.Module, x, y) -> float:
     with torch.no_grad():
         return F.mse_loss(model(x), y).item()
-
-
-def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 def train(env, config: Config) -> dict:

@@ -28,6 +28,7 @@ from lablib import script
 from lablib.counting import count_ddp_allreduces
 from lablib.impl import load_module, require_file
 from lablib.models import MLP
+from lablib.rankcheck import max_abs_diff, weight_spread
 
 
 @dataclass(frozen=True)
@@ -118,25 +119,12 @@ def reference_weights(config: Config, world_size: int, device) -> torch.nn.Modul
     return model
 
 
-def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-
-
-def spread_across_ranks(model: torch.nn.Module) -> float:
-    """max over parameters of (max over ranks - min over ranks): 0.0 when every rank holds the same weights."""
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    hi, lo = flat.clone(), flat.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return (hi - lo).max().item()
-
-
 def train(env, config: Config) -> dict:
     impl = load_module(config.impl, required=("accumulation_step",))
     result = {}
     for name, disable in (("sync_every", True), ("no_sync", False)):
         metrics, model = train_variant(env, config, impl.accumulation_step, disable_no_sync=disable)
-        metrics["weight_spread_across_ranks"] = spread_across_ranks(model)
+        metrics["weight_spread_across_ranks"] = weight_spread(model, env)
         result[name] = metrics
     if env.is_main:
         reference = reference_weights(config, env.world_size, env.device)
