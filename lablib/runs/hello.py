@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lablib import script
+from lablib.rankcheck import gather_objects
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,7 @@ def train(env, config: Config) -> dict:
     if dist.is_initialized():
         dist.all_reduce(value)
     info = {**env.describe(), "pid": os.getpid(), "hostname": os.uname().nodename}
-    gathered = [None] * env.world_size
-    if dist.is_initialized():
-        dist.all_gather_object(gathered, info)
-    else:
-        gathered = [info]
+    gathered = gather_objects(info, env)
     if env.is_main:
         print(f"{env.world_size} rank(s) on backend {env.backend}; all-reduce sum = {value.item():.0f}")
     return {"all_reduce_sum": value.item(), "expected_sum": env.world_size * (env.world_size + 1) / 2,
