@@ -46,7 +46,7 @@ def find_lab(name: str) -> str:
 
 def _nbgrader(args: list[str], cwd: Path, timeout_s: float | None = None, env: dict | None = None):
     """Run nbgrader in cwd, killing it *and its kernel* if it outlives timeout_s."""
-    from lablib.launch import RUN_MARKER, kill_run
+    from lablib.processes import RUN_MARKER, kill_run
 
     marker = uuid.uuid4().hex
     # nbgrader calls its helper programs (alembic) by name: put this environment's bin/ first on PATH.
@@ -110,7 +110,7 @@ def execute(lab: str, student_version: bool = False, out_root: Path = REPO / "ex
 @dataclass
 class StudentGrade:
     student: str
-    status: str = "ok"               # ok | unreadable | timeout | error
+    status: str = "ok"               # ok | infrastructure | unreadable | timeout | error
     auto_score: float = 0.0
     auto_max: float = 0.0
     manual_max: float = 0.0          # free-text answers, graded by hand in formgrader
@@ -159,6 +159,10 @@ class CourseLayout:
     feedback: Path
     db: Path
     generate_args: tuple[str, ...] = ()
+
+    @property
+    def autograded(self) -> Path:
+        return self.submitted.parent / "autograded"
 
     @classmethod
     def repository(cls) -> "CourseLayout":
@@ -221,6 +225,12 @@ def grade(lab: str, submissions: dict[str, Path], layout: CourseLayout | None = 
             result.status, result.message = "timeout", f"autograding ran past {per_student_timeout_s:.0f} s"
         elif rc != 0:
             result.status, result.message = "error", out[-2000:]
+        else:
+            lost = infrastructure_failures(layout.autograded / student / lab / f"{lab}.ipynb")
+            if lost:
+                result.status = "infrastructure"
+                result.message = (f"cells {', '.join(lost)} failed because a rank was killed by a signal, not by "
+                                  f"this student's code: their points are not a grade; grade this student again")
     if feedback:
         _nbgrader(["generate_feedback", lab, "--force"], cwd=work, timeout_s=600)
 
@@ -245,6 +255,26 @@ def grade(lab: str, submissions: dict[str, Path], layout: CourseLayout | None = 
                         result.auto_score += score
                     result.cells[cell.name] = (score, cell.max_score, needs_manual)
     return results
+
+
+INFRASTRUCTURE_ERRORS = ("RankKilledError",)
+
+
+def infrastructure_failures(notebook: Path) -> list[str]:
+    """grade_ids of the graded cells in an autograded notebook that failed because of the machine (a rank
+    killed by a signal, lablib.launch.RankKilledError), not because of the answer."""
+    import nbformat
+
+    if not notebook.exists():
+        return []
+    lost = []
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.cell_type == "code" and meta.get("grade") and any(
+                out.get("output_type") == "error" and out.get("ename") in INFRASTRUCTURE_ERRORS
+                for out in cell.get("outputs", [])):
+            lost.append(meta.get("grade_id", "?"))
+    return lost
 
 
 def write_report(lab: str, results: list[StudentGrade], layout: CourseLayout, out_dir: Path) -> Path:

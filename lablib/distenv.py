@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -22,9 +23,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-# How long init_process_group and every collective may wait for the other ranks before failing
-# with an error instead of hanging forever (a crashed or diverged rank). Override in seconds.
-DEFAULT_PG_TIMEOUT_S = float(os.environ.get("LABLIB_PG_TIMEOUT_S", "60"))
+from lablib import processes
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,6 @@ class DistEnv:
     def is_main(self) -> bool:
         """Rank 0 is the only rank that prints and writes files."""
         return self.rank == 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1 or dist.is_initialized()
 
     def describe(self) -> dict:
         return {
@@ -92,13 +87,16 @@ def from_env() -> DistEnv:
 
 
 @contextlib.contextmanager
-def distributed(timeout_s: float = DEFAULT_PG_TIMEOUT_S) -> Iterator[DistEnv]:
+def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
     """Initialise the process group (with a timeout), yield the DistEnv, always destroy the group.
 
     Under torchrun the group is initialised even for world size 1, so that a single process runs the
     same code (collectives on one rank are cheap no-ops). A plain process without torchrun's variables
-    gets world size 1 and no group.
+    gets world size 1 and no group. ``timeout_s`` bounds init and every collective, so a crashed or
+    diverged rank ends in an error instead of a hang; by default it is the one the launcher derived from
+    the run's own timeout (``lablib.processes.rank_timeout_s``).
     """
+    timeout_s = processes.rank_timeout_from_env() if timeout_s is None else timeout_s
     env = from_env()
     under_torchrun = "MASTER_ADDR" in os.environ and "RANK" in os.environ
     if env.device.type == "cuda":
@@ -117,3 +115,7 @@ def distributed(timeout_s: float = DEFAULT_PG_TIMEOUT_S) -> Iterator[DistEnv]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Objects that still hold the group (a DDP reducer, an FSDP2 mesh) sit in reference cycles: collect
+        # them now, so the group's worker threads are joined while the interpreter is alive (see
+        # lablib.processes.end_rank for what happens when they are not).
+        gc.collect()

@@ -15,12 +15,12 @@ What it guarantees, because a notebook must never hang or leak processes:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
 import queue
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -30,12 +30,9 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
-
 from lablib import config as cfg
-from lablib.script import PROGRESS_PREFIX
-
-RUN_MARKER = "LABLIB_RUN_ID"
+from lablib import processes
+from lablib.processes import RUN_MARKER, kill_run  # noqa: F401 - part of this module's interface
 
 
 class RunError(RuntimeError):
@@ -49,6 +46,16 @@ class RunError(RuntimeError):
 
 class RunTimeout(RunError):
     """The step ran past its timeout; all of its processes were killed."""
+
+
+class RankKilledError(RunError):
+    """A rank was killed by a signal (``signal``, e.g. "SIGABRT") instead of failing with a Python exception:
+    a death from outside the code the rank ran (the machine, a library, the operating system). Grading
+    reports cells that fail this way as lost to the infrastructure, not as wrong answers."""
+
+    def __init__(self, message: str, rank: int | None, details: str, signal: str):
+        super().__init__(message, rank, details)
+        self.signal = signal
 
 
 class PortInUseError(RunError):
@@ -81,66 +88,6 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _run_processes(root_proc: subprocess.Popen, run_id: str) -> list[psutil.Process]:
-    """The root process, its descendants, and any orphan that still carries this run's marker."""
-    found: dict[int, psutil.Process] = {}
-    try:
-        root = psutil.Process(root_proc.pid)
-        found[root.pid] = root
-        for child in root.children(recursive=True):
-            found[child.pid] = child
-    except psutil.NoSuchProcess:
-        pass
-    for proc in psutil.process_iter():
-        if proc.pid in found or proc.pid == os.getpid():
-            continue
-        try:
-            if proc.environ().get(RUN_MARKER) == run_id:
-                found[proc.pid] = proc
-        except (psutil.Error, OSError):
-            continue
-    return list(found.values())
-
-
-def kill_run(root_proc: subprocess.Popen, run_id: str, grace_s: float = 3.0, deadline_s: float = 15.0) -> None:
-    """Terminate every process of a run: SIGTERM, then SIGKILL after grace_s, repeated until none is left.
-
-    root_proc must have been started with ``RUN_MARKER=run_id`` in its environment; every descendant
-    inherits it, so even workers started in sessions of their own, or orphaned, or spawned while we were
-    killing the others, are found.
-    """
-    def alive() -> list[psutil.Process]:
-        root_proc.poll()  # reap our own child, so it does not linger as a zombie
-        found = []
-        for proc in _run_processes(root_proc, run_id):
-            try:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-            except psutil.Error:
-                pass
-        return found
-
-    procs = alive()
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=grace_s)
-    deadline = time.monotonic() + deadline_s
-    while (left := alive()) and time.monotonic() < deadline:
-        for proc in left:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=1.0)
-    try:
-        root_proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 def _reader(stream, lines: queue.Queue) -> None:
     for line in iter(stream.readline, ""):
         lines.put(line)
@@ -149,20 +96,6 @@ def _reader(stream, lines: queue.Queue) -> None:
 
 def _tail(text: str, n: int = 30) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
-
-
-def _failure_details(run_dir: Path) -> tuple[int | None, str]:
-    """The traceback of the first rank that failed (earliest timestamp), else the ranks' log tails."""
-    errors = []
-    for path in run_dir.glob("rank*.error"):
-        stamp, _, text = path.read_text().partition("\n")
-        errors.append((float(stamp), int(path.stem[4:]), text))
-    if errors:
-        _, rank, text = min(errors)
-        return rank, text
-    logs = [f"--- {p.stem} log (last lines) ---\n{_tail(p.read_text())}"
-            for p in sorted(run_dir.glob("*.log")) if p.read_text().strip()]
-    return None, "\n".join(logs)
 
 
 def _hint(details: str) -> str:
@@ -175,12 +108,30 @@ def _hint(details: str) -> str:
     return ""
 
 
+LAUNCHER_OPTIONS = ("nproc", "timeout_s", "threads_per_rank", "port", "quiet", "show_progress")
+
+
+def check_step_options(module) -> None:
+    """A step's Config may not name an option the launcher takes itself: it would never reach the step."""
+    clash = sorted(set(f.name for f in dataclasses.fields(module.Config)) & set(LAUNCHER_OPTIONS))
+    if clash:
+        raise TypeError(f"{module.__name__}.Config has option(s) {clash} with the same name as launch.run's "
+                        f"own {LAUNCHER_OPTIONS}; rename them in the Config (e.g. step_{clash[0]})")
+
+
 def run(step: str, nproc: int = 2, *, timeout_s: float = 300.0, threads_per_rank: int | None = None,
         port: int | None = None, quiet: bool = False, show_progress: bool = True, **options) -> dict:
-    """Run ``lablib.runs.<step>`` on nproc ranks under torchrun and return rank 0's JSON result."""
+    """Run ``lablib.runs.<step>`` on nproc ranks under torchrun and return rank 0's JSON result.
+
+    Keyword arguments other than the launcher's own (``LAUNCHER_OPTIONS``) are the step's options, checked
+    against its Config. The ranks' collectives time out a little before ``timeout_s`` (one clock for both).
+    """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer number of ranks, got {nproc!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     module = load_step(step)
+    check_step_options(module)
     config = cfg.from_options(module.Config, options)
     if hasattr(config, "validate_world"):
         config.validate_world(nproc)
@@ -197,38 +148,40 @@ def run(step: str, nproc: int = 2, *, timeout_s: float = 300.0, threads_per_rank
                    f"--rdzv-id={run_id}"])
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
            "--max-restarts=0", "-m", f"lablib.runs.{step}", "--out", str(out), *cfg.to_argv(config)]
-    env = {**os.environ, RUN_MARKER: run_id, "LABLIB_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, RUN_MARKER: run_id, processes.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1",
+           processes.PG_TIMEOUT_ENV: f"{processes.rank_timeout_s(timeout_s):g}",
            "OMP_NUM_THREADS": str(threads), "TORCHELASTIC_ERROR_FILE": str(run_dir / "elastic_error.json")}
     env.pop("TORCHELASTIC_RUN_ID", None)
 
     lines: queue.Queue = queue.Queue()
     output: list[str] = []
     bar = None
+    proc = None
     deadline = time.monotonic() + timeout_s
-    # torchrun's own messages (agent logs, its failure summary) go to a file: the notebook gets rank 0's
-    # stdout live, and on failure the failing rank's traceback, not three screens of launcher noise.
-    with open(run_dir / "torchrun.log", "w") as torchrun_log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=torchrun_log, stdin=subprocess.DEVNULL,
-                                text=True, bufsize=1, env=env, start_new_session=True)
     try:
+        # torchrun's own messages (agent logs, its failure summary) go to a file: the notebook gets rank 0's
+        # stdout live, and on failure the failing rank's traceback, not three screens of launcher noise.
+        with open(run_dir / processes.TORCHRUN_LOG, "w") as torchrun_log:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=torchrun_log, stdin=subprocess.DEVNULL,
+                                    text=True, bufsize=1, env=env, start_new_session=True)
         threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
         while True:
             if time.monotonic() > deadline:
                 kill_run(proc, run_id)
-                rank, details = _failure_details(run_dir)
+                failure = processes.first_failure(run_dir)
                 raise RunTimeout(
                     f"step {step!r} on {nproc} ranks ran past its timeout of {timeout_s:.0f} s; all of its "
                     f"processes were stopped. Last output of rank 0:\n{_tail(''.join(output), 15)}",
-                    rank, details or _hint("timed out"))
+                    failure.rank, failure.details or _hint("timed out"))
             try:
                 line = lines.get(timeout=0.1)
             except queue.Empty:
                 continue
             if line is None:
                 break
-            if line.startswith(PROGRESS_PREFIX):
+            if line.startswith(processes.PROGRESS_PREFIX):
                 if show_progress and not quiet:
-                    bar = _update_bar(bar, json.loads(line[len(PROGRESS_PREFIX):]), step)
+                    bar = _update_bar(bar, json.loads(line[len(processes.PROGRESS_PREFIX):]), step)
                 continue
             output.append(line)
             if not quiet:
@@ -236,25 +189,36 @@ def run(step: str, nproc: int = 2, *, timeout_s: float = 300.0, threads_per_rank
                 sys.stdout.flush()
         rc = proc.wait()
         if rc != 0:
-            rank, details = _failure_details(run_dir)
-            where = f"rank {rank} raised an error" if rank is not None else f"torchrun exited with code {rc}"
-            hint = _hint(details)
-            raise RunError(f"step {step!r} on {nproc} ranks failed: {where}." + (f"\n{hint}" if hint else ""),
-                           rank, details or _tail("".join(output)))
+            raise _failure(step, nproc, rc, run_dir, output)
         if not out.exists():
             raise RunError(f"step {step!r} finished but wrote no result JSON", None, _tail("".join(output)))
         result = json.loads(out.read_text())
         result["output"] = "".join(output)
         return result
     except KeyboardInterrupt:
-        kill_run(proc, run_id)
+        if proc is not None:
+            kill_run(proc, run_id)
         raise
     finally:
         if bar is not None:
             bar.close()
-        if proc.poll() is None or _run_processes(proc, run_id):
+        if proc is not None and (proc.poll() is None or processes.run_processes(proc, run_id)):
             kill_run(proc, run_id)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _failure(step: str, nproc: int, rc: int, run_dir: Path, output: list[str]) -> RunError:
+    failure = processes.first_failure(run_dir)
+    if failure.signal:
+        return RankKilledError(
+            f"step {step!r} on {nproc} ranks failed: rank {failure.rank} was killed by {failure.signal}, not by "
+            f"an exception in the code it ran. This is the machine's doing (a library abort, the out-of-memory "
+            f"killer, a crash), not an error in your answer: run the cell again. When grading, this cell's "
+            f"points were lost to the infrastructure.", failure.rank, failure.details, failure.signal)
+    where = f"rank {failure.rank} raised an error" if failure.rank is not None else f"torchrun exited with code {rc}"
+    hint = _hint(failure.details)
+    return RunError(f"step {step!r} on {nproc} ranks failed: {where}." + (f"\n{hint}" if hint else ""),
+                    failure.rank, failure.details or _tail("".join(output)))
 
 
 def _update_bar(bar, event: dict, step: str):

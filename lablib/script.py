@@ -5,9 +5,11 @@ its ``main()`` is ``script.main(Config, train)``. This module does the rest, the
 
 - parses ``--out PATH`` plus the config's options strictly (unknown or mistyped options are errors);
 - initialises the process group with a timeout and always destroys it (``distenv.distributed``);
-- under the launcher (``LABLIB_RUN_DIR`` set) sends everything but rank 0's stdout to per-rank log
-  files, so only rank 0 talks to the notebook, and writes any rank's traceback to ``rank<r>.error`` for the launcher;
-- has rank 0 write one JSON file: step, config, environment, metrics, elapsed time.
+- under the launcher sends everything but rank 0's stdout to per-rank log files, so only rank 0 talks
+  to the notebook, and leaves any rank's traceback for the launcher (the contract: ``lablib.processes``);
+- has rank 0 write one JSON file: step, config, environment, metrics, elapsed time;
+- under torchrun, ends the rank with ``processes.end_rank`` (exit code 0, or 1 after a traceback), never
+  through the interpreter's finalization, where gloo's worker threads can abort a finished rank.
 """
 
 from __future__ import annotations
@@ -23,15 +25,13 @@ from pathlib import Path
 from typing import Callable
 
 from lablib import config as cfg
-from lablib import distenv
-
-PROGRESS_PREFIX = "@@lablib-progress "
+from lablib import distenv, processes
 
 
 def progress(env: distenv.DistEnv, step: int, total: int, **metrics: float) -> None:
     """Report training progress; the launcher draws it as a progress bar (rank 0 only)."""
     if env.is_main:
-        print(PROGRESS_PREFIX + json.dumps({"step": step, "total": total, **metrics}), flush=True)
+        print(processes.PROGRESS_PREFIX + json.dumps({"step": step, "total": total, **metrics}), flush=True)
 
 
 def jsonable(value):
@@ -77,21 +77,31 @@ def _redirect_to_file(path: Path, stdout: bool) -> None:
     os.close(fd)
 
 
-def _record_error(run_dir: str | None, rank: int, exc: BaseException) -> None:
-    """Leave this rank's traceback for the launcher, stamped with the time it happened."""
-    path = Path(run_dir) / f"rank{rank}.error" if run_dir else None
-    if path is None or path.exists() or isinstance(exc, SystemExit):
-        return
-    path.write_text(f"{time.time():.6f}\n" + "".join(traceback.format_exception(exc)))
-
-
 def main(config_cls, train: Callable, argv: list[str] | None = None) -> None:
+    """Run ``train`` as a rank of a torchrun job (or as a plain single process). See the module docstring."""
+    if not processes.is_torchrun_worker():
+        _run(config_cls, train, argv)
+        return
+    try:
+        _run(config_cls, train, argv)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            processes.end_rank(exc.code or 0)
+        print(exc.code, file=sys.stderr)
+        processes.end_rank(1)
+    except BaseException:  # noqa: BLE001 - printed here, and the exit code tells torchrun the rank failed
+        traceback.print_exc()
+        processes.end_rank(1)
+    processes.end_rank(0)
+
+
+def _run(config_cls, train: Callable, argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    run_dir = os.environ.get("LABLIB_RUN_DIR")
+    run_dir = processes.run_dir()
     rank = int(os.environ.get("RANK", "0"))
     if run_dir:
         # Rank 0's stdout stays live for the notebook; everything else goes to per-rank logs.
-        _redirect_to_file(Path(run_dir) / f"rank{rank}.log", stdout=rank != 0)
+        _redirect_to_file(processes.rank_log(run_dir, rank), stdout=rank != 0)
     t0 = time.perf_counter()
     try:
         out, rest = _split_out(argv)
@@ -104,7 +114,7 @@ def main(config_cls, train: Callable, argv: list[str] | None = None) -> None:
             except BaseException as exc:
                 # Recorded before the process group is torn down: tearing it down makes the other ranks
                 # fail too, and the launcher reports the earliest failure as the root cause.
-                _record_error(run_dir, rank, exc)
+                processes.record_error(rank, exc)
                 raise
             if env.is_main and out:
                 record = {
@@ -118,6 +128,6 @@ def main(config_cls, train: Callable, argv: list[str] | None = None) -> None:
                 tmp = Path(out).with_suffix(".tmp")
                 tmp.write_text(json.dumps(jsonable(record), indent=1))
                 tmp.replace(out)  # atomic: the launcher never reads half a file
-    except BaseException as exc:  # noqa: BLE001 - record, then re-raise so torchrun sees the failure
-        _record_error(run_dir, rank, exc)
+    except BaseException as exc:  # noqa: BLE001 - record, then re-raise
+        processes.record_error(rank, exc)
         raise

@@ -31,3 +31,21 @@ def test_collect_from_folders_files_and_zip(tmp_path):
     assert set(course.collect_submissions(export, lab, tmp_path / "unzipped")) == {"carol"}
     with pytest.raises(SystemExit, match="no notebooks found"):
         course.collect_submissions(subs / "empty", lab, tmp_path / "x")
+
+
+def test_cells_lost_to_a_killed_rank_are_reported_not_graded(tmp_path):
+    """A graded cell that failed with lablib.launch.RankKilledError is the machine's failure: listed, so the
+    grade says so; a cell that failed with the student's own error is not."""
+    import nbformat
+
+    def graded(grade_id, ename):
+        cell = nbformat.v4.new_code_cell("launch.run(...)", metadata={"nbgrader": {"grade": True, "grade_id": grade_id}})
+        cell.outputs = [nbformat.v4.new_output("error", ename=ename, evalue="...", traceback=[])]
+        return cell
+
+    nb = nbformat.v4.new_notebook(cells=[graded("test_ddp", "RankKilledError"), graded("test_loss", "AssertionError"),
+                                         nbformat.v4.new_code_cell("x = 1")])
+    path = tmp_path / "lab.ipynb"
+    nbformat.write(nb, path)
+    assert course.infrastructure_failures(path) == ["test_ddp"]
+    assert course.infrastructure_failures(tmp_path / "missing.ipynb") == []

@@ -1,5 +1,6 @@
 """The launcher's failure paths: every one ends in a clear exception, quickly, with no process left behind."""
 
+import dataclasses
 import os
 import signal
 import socket
@@ -8,11 +9,12 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import psutil
 import pytest
 
-from lablib import launch
+from lablib import launch, processes
 from lablib.config import ConfigError
 
 
@@ -38,7 +40,9 @@ def wait_until_gone(step="hello", timeout_s=10.0):
 def test_success_streams_rank0_and_returns_json(capsys):
     result = launch.run("hello", nproc=2, timeout_s=120)
     assert result["metrics"]["all_reduce_sum"] == 3
-    assert result["config"] == {"fail_rank": -1, "hang_rank": -1, "hang_s": 3600.0}
+    assert result["config"] == {"fail_rank": -1, "hang_rank": -1, "hang_s": 3600.0, "abort_rank": -1}
+    # The ranks' collectives time out a little before the run does: one clock, derived from timeout_s.
+    assert result["metrics"]["rank_timeout_s"] == pytest.approx(0.9 * 120)
     out = capsys.readouterr().out
     assert "2 rank(s) on backend gloo; all-reduce sum = 3" in out
     assert out.count("all-reduce sum") == 1, "only rank 0 prints"
@@ -53,6 +57,45 @@ def test_failing_rank_raises_with_its_traceback():
     assert "Traceback" in info.value.details
     assert time.monotonic() - t0 < 60
     assert not wait_until_gone()
+
+
+def test_rank_killed_by_a_signal_is_reported_as_such():
+    """A rank that dies by SIGABRT after its work (as gloo's teardown race did) is not the code's error."""
+    with pytest.raises(launch.RankKilledError) as info:
+        launch.run("hello", nproc=2, abort_rank=1, timeout_s=120, quiet=True)
+    assert info.value.rank == 1 and info.value.signal == "SIGABRT"
+    assert "not by an exception" in str(info.value) and "infrastructure" in str(info.value)
+    assert not wait_until_gone()
+
+
+def test_torchrun_exit_codes_are_read_root_cause_first():
+    summary = textwrap.dedent("""
+        Failures:
+        [1]:
+          time      : 2026-11-22_15:23:49
+          rank      : 0 (local_rank: 0)
+          exitcode  : -15 (pid: 2116)
+        ------------------------------------------------------------
+        Root Cause (first observed failure):
+        [0]:
+          time      : 2026-11-22_15:23:49
+          host      : localhost
+          rank      : 2 (local_rank: 2)
+          exitcode  : -6 (pid: 2117)
+        """)
+    assert processes.rank_exit_codes(summary) == [(2, -6), (0, -15)]
+
+
+def test_a_step_option_named_like_a_launcher_option_is_refused():
+    for step in launch.available_steps():
+        launch.check_step_options(launch.load_step(step))
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        timeout_s: float = 1.0
+
+    with pytest.raises(TypeError, match="timeout_s"):
+        launch.check_step_options(types.SimpleNamespace(__name__="fake", Config=Config))
 
 
 def test_hanging_rank_times_out_and_leaves_no_process():

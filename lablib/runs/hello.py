@@ -4,7 +4,9 @@
 
 The fault options exist to show (and test) what the launcher does when things go wrong:
 ``fail_rank`` raises on that rank, ``hang_rank`` sleeps on that rank for ``hang_s`` seconds (the other
-ranks then wait in the all-reduce until the launcher's timeout stops everything).
+ranks then wait in the all-reduce until their collective timeout, or the launcher's, stops everything),
+``abort_rank`` kills that rank with SIGABRT after its work is done, as a C++ library abort would (the
+launcher must report a death by signal as such, never as the code's error).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lablib import script
+from lablib import processes, script
 from lablib.rankcheck import gather_objects
 
 
@@ -25,9 +27,10 @@ class Config:
     fail_rank: int = -1
     hang_rank: int = -1
     hang_s: float = 3600.0
+    abort_rank: int = -1
 
     def validate_world(self, world_size: int) -> None:
-        for name in ("fail_rank", "hang_rank"):
+        for name in ("fail_rank", "hang_rank", "abort_rank"):
             value = getattr(self, name)
             if value >= world_size:
                 raise ValueError(f"{name}={value} does not exist with {world_size} ranks "
@@ -47,8 +50,10 @@ def train(env, config: Config) -> dict:
     gathered = gather_objects(info, env)
     if env.is_main:
         print(f"{env.world_size} rank(s) on backend {env.backend}; all-reduce sum = {value.item():.0f}")
+    if env.rank == config.abort_rank:
+        os.abort()
     return {"all_reduce_sum": value.item(), "expected_sum": env.world_size * (env.world_size + 1) / 2,
-            "ranks": gathered}
+            "rank_timeout_s": processes.rank_timeout_from_env(), "ranks": gathered}
 
 
 def main() -> None:
