@@ -13,14 +13,21 @@ the two step times is the communication DDP managed to hide behind the backward.
 
 Every timed part starts after a barrier, so a rank waiting for a slower rank is booked as "wait", not as
 communication; every per-step time is the slowest rank's (the step is done when the last rank is done).
+DDP's own all-reduces are timed by a communication hook (``BucketTimer``): when each bucket's all-reduce
+was launched and when it finished, which shows how much of it ran during the backward.
+
+Buckets and overlap are from the DDP paper: S. Li et al., "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training", VLDB 2020 (section 3.2: "Gradient Bucketing" and "Overlap Computation with
+Communication"). ``bucketed_backward`` is a schedule of that idea in the alpha-beta cost model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,6 +87,37 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+class BucketTimer:
+    """A DDP communication hook that all-reduces each bucket (sum, then divide by N, as DDP does) and
+    records, on this rank, (launch s, done s, bytes, bucket index) for every bucket, with perf_counter
+    times. ``start_step()`` empties the record; ``spans`` holds it.
+
+    Register it with ``ddp.register_comm_hook(timer, BucketTimer.hook)``. DDP's built-in all-reduce does
+    the same work in C++; a Python hook adds a few microseconds per bucket.
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self.spans: list[tuple[float, float, int, int]] = []
+
+    def start_step(self) -> None:
+        self.spans = []
+
+    @staticmethod
+    def hook(timer, bucket):  # no annotations: DDP checks them, and this module postpones them (strings)
+        launched = time.perf_counter()
+        buffer = bucket.buffer()                      # (bucket's numel,) the flat gradients of this bucket
+        future = dist.all_reduce(buffer, group=timer.group, async_op=True).get_future()
+
+        def finished(f):
+            # Runs when the all-reduce completes (on gloo, in its worker thread): that is the "done" time.
+            timer.spans.append((launched, time.perf_counter(), buffer.numel() * buffer.element_size(),
+                                bucket.index()))
+            return f.value()[0].div_(dist.get_world_size(timer.group))
+
+        return future.then(finished)
+
+
 # --- pure functions of measured numbers (no process group) ------------------------------------------------
 
 def speedups(step_time_by_world_size: dict[int, float]) -> dict[int, float]:
@@ -108,3 +146,35 @@ def hidden_comm_fraction(t_step_no_overlap: float, t_step_overlap: float, t_comm
     if t_comm <= 0:
         raise ValueError(f"t_comm={t_comm} must be positive (there is no communication at world size 1)")
     return (t_step_no_overlap - t_step_overlap) / t_comm
+
+
+def bucketed_backward(t_backward: float, grad_bytes: float, bucket_bytes: float,
+                      allreduce_time: Callable[[float], float]) -> dict:
+    """When the backward and its bucketed gradient all-reduces are done, in a simple schedule of DDP.
+
+    Assumptions (Li et al., VLDB 2020, section 3.2): gradients become ready at a steady rate
+    during the backward (grad_bytes over t_backward seconds, last layer first); a bucket of bucket_bytes
+    is all-reduced as soon as it is full and the previous bucket's all-reduce has finished (one
+    communication stream, buckets in order); a tensor is never split (not modelled: buckets here are
+    exactly bucket_bytes, the last one smaller). allreduce_time(n_bytes) is one all-reduce's seconds,
+    e.g. the ring's alpha-beta time from lab 02.
+
+    Returns seconds from the start of the backward: ``done`` (backward and all communication finished),
+    ``exposed_comm`` (done - t_backward: communication nothing hid), ``comm`` (all all-reduces together)
+    and ``n_buckets``. Small buckets pay the latency once per bucket; one big bucket starts only when the
+    backward is over, so nothing overlaps.
+    """
+    if t_backward < 0 or grad_bytes <= 0:
+        raise ValueError(f"t_backward={t_backward} must be >= 0 and grad_bytes={grad_bytes} positive")
+    if not bucket_bytes > 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive (DDP's bucket_cap_mb, in bytes)")
+    n_buckets = math.ceil(grad_bytes / bucket_bytes)
+    comm_free, comm = 0.0, 0.0
+    for i in range(n_buckets):
+        filled = min(grad_bytes, (i + 1) * bucket_bytes)
+        ready = t_backward * filled / grad_bytes                 # the bucket's last gradient is computed
+        cost = allreduce_time(filled - i * bucket_bytes)
+        comm_free = max(ready, comm_free) + cost                 # waits for its data and for the stream
+        comm += cost
+    done = max(t_backward, comm_free)
+    return {"done": done, "exposed_comm": done - t_backward, "comm": comm, "n_buckets": n_buckets}

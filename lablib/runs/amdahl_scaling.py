@@ -15,15 +15,19 @@ At each N an MLP is trained twice from the same initial weights on the same synt
 ``lablib.scaling`` for why), again taking turns step by step:
 - ``explicit``: plain model; forward+backward, then ONE explicit all-reduce of all gradients, then the
   optimizer step, each timed on its own (compute / wait / comm / opt), with a barrier before each;
-- ``ddp``: DistributedDataParallel (bucketed all-reduces overlapped with the backward), timed per step.
+- ``ddp``: DistributedDataParallel (bucketed all-reduces overlapped with the backward), timed per step;
+  a communication hook (``scaling.BucketTimer``) records when each bucket's all-reduce ran, so the
+  overlap with the backward is seen, not assumed.
 The first ``warmup_steps`` steps are not timed. Every per-step time is the slowest rank's; the result
-holds their medians (see ``explicit_step`` for how compute, wait and step relate). Rank 0, a member of every group, also reports how far the weights trained at each
+holds their medians (see ``explicit_step`` for how compute, wait and step relate), and every rank's own
+times per step (``per_rank``, for a timeline). Rank 0, a member of every group, also reports how far the weights trained at each
 N are from those trained by one process: float rounding only (the same math, split differently).
 Start it with 1 thread per rank (``launch.run(..., threads_per_rank=1)`` does) so that N ranks use N cores.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,10 +53,11 @@ class Config:
     d_hidden: int = 512
     n_hidden: int = 2
     lr: float = 0.2
-    # DDP's default is 25 MB; this MLP's 1.6 MB of gradients would then be ONE bucket, all-reduced only after
-    # the whole backward, with nothing left to overlap. 0.5 MB gives 2 buckets: the first (last layers)
-    # is all-reduced while the backward of the first layer still runs.
-    bucket_cap_mb: float = 0.5
+    # 0 = DDP's default (bucket_cap_mb=None): since torch 2.x the FIRST bucket is capped at 1 MiB
+    # (dist._DEFAULT_FIRST_BUCKET_BYTES), later ones at 25 MiB. This MLP's 1.58 MB of gradients then form
+    # 2 buckets (1.05 MB: the last two layers; 0.53 MB: the first), measured by the hook. An explicit
+    # bucket_cap_mb=25 would give ONE bucket, all-reduced only after the whole backward.
+    bucket_cap_mb: float = 0.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -67,8 +72,9 @@ class Config:
         if not 0 <= self.warmup_steps < self.samples // self.global_batch:
             raise ValueError(f"warmup_steps={self.warmup_steps} leaves no timed step out of "
                              f"{self.samples // self.global_batch}; lower it or raise samples")
-        if self.bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive (DDP's default is 25)")
+        if self.bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive, or 0 for DDP's default "
+                             f"(a 1 MiB first bucket, then 25 MiB)")
         for n in self.world_sizes:
             if self.global_batch % n:
                 raise ValueError(f"global_batch={self.global_batch} does not split over {n} ranks; use a "
@@ -92,6 +98,8 @@ class Replica:
     parts: dict = field(default_factory=lambda: {k: [] for k in PARTS})
     step_times: list = field(default_factory=list)     # the explicit step as a whole, this rank
     ddp_times: list = field(default_factory=list)
+    ddp_spans: list = field(default_factory=list)      # per step: this rank's DDP timeline (seconds from step start)
+    timer: object = None                               # scaling.BucketTimer registered on ddp (None without torchrun)
     comm_bytes: int = 0
 
 
@@ -118,10 +126,13 @@ def new_model(config: Config, device) -> torch.nn.Module:
 def new_replica(env, config: Config, world_size: int, group) -> Replica:
     plain = new_model(config, env.device)
     ddp = new_model(config, env.device)
+    timer = None
     if dist.is_initialized():
-        ddp = DDP(ddp, process_group=group, bucket_cap_mb=config.bucket_cap_mb)
+        ddp = DDP(ddp, process_group=group, bucket_cap_mb=config.bucket_cap_mb or None)
+        timer = scaling.BucketTimer(group)
+        ddp.register_comm_hook(timer, scaling.BucketTimer.hook)
     return Replica(world_size, group, plain, ddp, torch.optim.SGD(plain.parameters(), lr=config.lr),
-                   torch.optim.SGD(ddp.parameters(), lr=config.lr))
+                   torch.optim.SGD(ddp.parameters(), lr=config.lr), timer=timer)
 
 
 def explicit_step(env, r: Replica, xb, yb) -> None:
@@ -146,10 +157,21 @@ def explicit_step(env, r: Replica, xb, yb) -> None:
 def ddp_step(env, r: Replica, xb, yb) -> None:
     """DDP as in practice: bucketed all-reduces start during the backward. Timed as a whole."""
     r.opt_ddp.zero_grad(set_to_none=True)
+    if r.timer is not None:
+        r.timer.start_step()
+    marks = []
     scaling.barrier(env.device, r.group)
     with scaling.stopwatch(r.ddp_times, env.device):
-        F.mse_loss(r.ddp(xb), yb).backward()       # the all-reduces overlap this backward
+        t0 = time.perf_counter()
+        loss = F.mse_loss(r.ddp(xb), yb)
+        marks.append(time.perf_counter())
+        loss.backward()                            # the all-reduces overlap this backward; it returns when all are done
+        marks.append(time.perf_counter())
         r.opt_ddp.step()
+    marks.append(time.perf_counter())
+    buckets = [(a - t0, b - t0, n, i) for a, b, n, i in (r.timer.spans if r.timer is not None else [])]
+    r.ddp_spans.append({"forward_end_s": marks[0] - t0, "backward_end_s": marks[1] - t0, "end_s": marks[2] - t0,
+                        "buckets": sorted(buckets, key=lambda b: b[0])})   # (launch s, done s, bytes, index)
 
 
 def summarize(env, r: Replica, config: Config) -> dict:
@@ -160,10 +182,18 @@ def summarize(env, r: Replica, config: Config) -> dict:
     timed = {k: scaling.slowest_rank(v[w:], env.device, r.group) for k, v in r.parts.items()}
     explicit_step_s = scaling.slowest_rank(r.step_times[w:], env.device, r.group)
     ddp_step_s = scaling.slowest_rank(r.ddp_times[w:], env.device, r.group)
+    # Every rank's own times, for a per-rank timeline (gathered; small: a few numbers per step and rank).
+    mine = {"explicit": {k: v[w:] for k, v in r.parts.items()}, "ddp": r.ddp_spans[w:]}
+    per_rank = [mine]
+    if dist.is_initialized():
+        per_rank = [None] * r.world_size
+        dist.all_gather_object(per_rank, mine, group=r.group)
+    last = r.ddp_spans[-1]["buckets"] if r.ddp_spans else []
     return {"explicit": {**{f"median_{k}": scaling.median(v) for k, v in timed.items()},
                          "median_step_s": scaling.median(explicit_step_s), "step_s": explicit_step_s, **timed},
-            "ddp": {"median_step_s": scaling.median(ddp_step_s), "step_s": ddp_step_s},
-            "comm_bytes": r.comm_bytes}
+            "ddp": {"median_step_s": scaling.median(ddp_step_s), "step_s": ddp_step_s,
+                    "bucket_bytes": [b[2] for b in sorted(last, key=lambda b: b[3])]},   # by bucket index
+            "per_rank": per_rank, "comm_bytes": r.comm_bytes}
 
 
 def full_loss(model: torch.nn.Module, x, y) -> float:

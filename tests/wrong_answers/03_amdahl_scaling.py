@@ -35,6 +35,20 @@ def gustafson_speedup(p, world_size):
 def gustafson_speedup(p, world_size):
     return world_size * ((1.0 - p) + p)
 '''),
+        ("an if on the values (N = 1 special-cased): breaks on NumPy arrays of world sizes", '''
+def amdahl_speedup(p, world_size):
+    if world_size == 1:
+        return 1.0
+    return 1.0 / ((1.0 - p) + p / world_size)
+''' + _GUSTAFSON_OK),
+        ("float() around Gustafson's result: works on numbers, fails on arrays", '''
+def amdahl_speedup(p, world_size):
+    return 1.0 / ((1.0 - p) + p / world_size)
+
+
+def gustafson_speedup(p, world_size):
+    return float((1.0 - p) + p * world_size)
+'''),
     ],
     "fit_amdahl_p": [
         ("fits the speedup instead of the time (least squares on S, by a fine grid search)", '''
@@ -79,6 +93,37 @@ def fit_amdahl_p(world_sizes, speedups):
     slope, intercept = np.polyfit(x, y, 1)
     return float(slope)
 '''),
+        ("caps p at 1 (a superlinear speedup taken for noise)", '''
+def fit_amdahl_p(world_sizes, speedups):
+    xs = [1 - 1 / n for n in world_sizes]
+    ys = [1 - 1 / s for s in speedups]
+    sxx = sum(x * x for x in xs)
+    if sxx == 0:
+        raise ValueError("need a point with N > 1")
+    return float(min(1.0, sum(x * y for x, y in zip(xs, ys)) / sxx))
+'''),
+        ("averages the speedups of each world size before fitting (fewer points, a different p)", '''
+def fit_amdahl_p(world_sizes, speedups):
+    by_n = {}
+    for n, s in zip(world_sizes, speedups):
+        by_n.setdefault(n, []).append(s)
+    xs = [1 - 1 / n for n in by_n]
+    ys = [1 - len(v) / sum(v) for v in by_n.values()]
+    sxx = sum(x * x for x in xs)
+    if sxx == 0:
+        raise ValueError("need a point with N > 1")
+    return float(sum(x * y for x, y in zip(xs, ys)) / sxx)
+'''),
+        ("np.linalg.lstsq's solution returned as is: an array of shape (1,), not a float", '''
+import numpy as np
+
+def fit_amdahl_p(world_sizes, speedups):
+    x = 1 - 1 / np.asarray(world_sizes, dtype=float)
+    y = 1 - 1 / np.asarray(speedups, dtype=float)
+    if not np.any(x):
+        raise ValueError("need a point with N > 1")
+    return np.linalg.lstsq(x[:, None], y, rcond=None)[0]
+'''),
         ("clips p to [0, 1], hiding a slowdown", '''
 def fit_amdahl_p(world_sizes, speedups):
     xs = [1 - 1 / n for n in world_sizes]
@@ -110,6 +155,22 @@ def predict_step_time(t_compute, t_opt, t_comm, overlap, world_size):
 def predict_speedup(t_compute, t_opt, t_comm, overlap, world_size):
     return predict_step_time(t_compute, t_opt, t_comm, overlap, world_size) / predict_step_time(t_compute, t_opt, 0.0, overlap, 1)
 '''),
+        ("forgets the optimizer step in the single-rank time", '''
+def predict_step_time(t_compute, t_opt, t_comm, overlap, world_size):
+    return t_compute / world_size + t_opt + (1 - overlap) * t_comm
+
+
+def predict_speedup(t_compute, t_opt, t_comm, overlap, world_size):
+    return t_compute / predict_step_time(t_compute, t_opt, t_comm, overlap, world_size)
+'''),
+        ("divides the communication by N as well (it does not shrink)", '''
+def predict_step_time(t_compute, t_opt, t_comm, overlap, world_size):
+    return t_compute / world_size + t_opt + (1 - overlap) * t_comm / world_size
+''' + _PREDICT_SPEEDUP_OK),
+        ("hard-codes the visible example's world size (compute / 4)", '''
+def predict_step_time(t_compute, t_opt, t_comm, overlap, world_size):
+    return t_compute / 4 + t_opt + (1 - overlap) * t_comm
+''' + _PREDICT_SPEEDUP_OK),
         ("charges the communication to the single-rank baseline too", '''
 def predict_step_time(t_compute, t_opt, t_comm, overlap, world_size):
     return t_compute / world_size + t_opt + (1 - overlap) * t_comm
