@@ -4,6 +4,7 @@ Read it like a table of contents:
 
 - ``lablib.distenv``   the process environment: one frozen ``DistEnv`` built from torchrun's variables
 - ``lablib.launch``    ``run(step, nproc=...)``: start a ``lablib.runs.<step>`` script under torchrun
+- ``lablib.processes`` the launcher-rank contract (run folder, logs, errors, timeouts) and process supervision
 - ``lablib.config``    typed, strict option parsing shared by the launcher and the run scripts
 - ``lablib.script``    the skeleton every run script shares (errors, JSON output, clean shutdown)
 - ``lablib.data``      Tiny Shakespeare: download/verify/cache, character tokenizer, batches
@@ -18,8 +19,10 @@ Read it like a table of contents:
 - ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)
 - ``lablib.checks``    the assertions the notebooks' graded tests use (clear messages, with hints)
 - ``lablib.plots``     the course's matplotlib conventions
-- ``lablib.course``    instructor tooling: release, execute and autograde labs with nbgrader
 - ``lablib.runs``      the multi-process steps, one module per step
+
+Instructor tooling (release, autograde, the student repository) is the ``instructor`` package beside
+``lablib`` in the course repository; it is not part of what students install.
 """
 
 __version__ = "0.1.0"

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the instructor package lives beside lablib, in the repository only
 SHARED_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 if "LABLIB_SHAKESPEARE" not in os.environ and SHARED_TEXT.is_file():

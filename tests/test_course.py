@@ -4,7 +4,7 @@ import zipfile
 
 import pytest
 
-from lablib import course
+from instructor import course
 
 
 def test_find_lab_accepts_numbers_and_names():

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import labkit
-from lablib import course
+from instructor import course
 
 LABS = labkit.labs()
 # Autograding one notebook may take at most this long on the 2-core CI machine (the solution's

@@ -1,8 +1,8 @@
 """Instructor tooling: release labs, execute them headless, autograde submissions (nbgrader).
 
-    python -m lablib.course release [NN ...]          labs/ from solutions/ (launchers/release)
-    python -m lablib.course execute NN [--lab]        run a lab headless, keep executed/NN_*.ipynb
-    python -m lablib.course grade NN SUBMISSIONS      autograde a folder or zip; grades CSV + feedback
+    python -m instructor.course release [NN ...]          labs/ from solutions/ (launchers/release)
+    python -m instructor.course execute NN [--lab]        run a lab headless, keep executed/NN_*.ipynb
+    python -m instructor.course grade NN SUBMISSIONS      autograde a folder or zip; grades CSV + feedback
 
 Grading runs nbgrader on the repository's course (grading/, the gradebook JupyterLab's Formgrader shows),
 one subprocess per student with an overall time limit, so a broken or hanging submission costs that
@@ -299,7 +299,7 @@ def write_report(lab: str, results: list[StudentGrade], layout: CourseLayout, ou
 # --- command line --------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lablib.course", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m instructor.course", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("release", help="regenerate labs/ from solutions/")

@@ -1,0 +1,147 @@
+"""The repository students clone: the released labs and what runs them, and nothing an answer can be read from.
+
+    launchers/release --student-repo DIR        (python -m instructor.student_repo DIR)
+
+The course repository carries ``solutions/`` (the answers), the hidden tests inside them, ``tests/`` (with
+``tests/wrong_answers/``) and this package. The student repository gets ``labs/``, ``lablib/``, the
+``lab`` launcher with its set-up script, ``environment.yml``, ``requirements.txt``, ``pyproject.toml``
+and a README written for students, committed as a fresh git repository with no history. ``audit`` then
+reads every file written and refuses the result if any holds a line of a solution or a hidden test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+from instructor.course import LABS, REPO, SOLUTIONS, all_labs
+
+SHIPPED = ["labs", "lablib", "launchers/lab", "launchers/_setup.sh", "environment.yml", "requirements.txt",
+           "pyproject.toml"]
+NEVER = re.compile(r"(__pycache__|\.ipynb_checkpoints|\.egg-info|_impl\.py$|\.pyc$)")
+SOLUTION_REGION = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
+HIDDEN_REGION = re.compile(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", re.S)
+MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
+
+
+def _substantial(line: str) -> bool:
+    """A line worth protecting: 25+ non-space characters, not a comment or a docstring quote."""
+    line = line.strip()
+    return len("".join(line.split())) >= 25 and not line.startswith(("#", '"""', "'''"))
+
+
+def protected_lines() -> dict[str, str]:
+    """Every substantial line of a solution region or hidden test -> the lab it comes from, leaving out lines
+    that the source also shows outside those regions (a visible line a hidden test repeats is no secret)."""
+    protected: dict[str, str] = {}
+    for lab in all_labs():
+        cells = nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4).cells
+        visible = {line.strip() for cell in cells
+                   for line in HIDDEN_REGION.sub("", SOLUTION_REGION.sub("", cell.source)).splitlines()}
+        for cell in cells:
+            for region in SOLUTION_REGION.findall(cell.source) + HIDDEN_REGION.findall(cell.source):
+                for line in region.splitlines():
+                    if _substantial(line) and line.strip() not in visible:
+                        protected.setdefault(line.strip(), lab)
+    return protected
+
+
+def audit(root: Path) -> list[str]:
+    """'path: what' for each file under root that holds a solution or hidden-test line, or their markers."""
+    protected = protected_lines()
+    found = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and ".git" not in p.relative_to(root).parts):
+        text = path.read_text(errors="replace")
+        if path.suffix == ".ipynb":  # compare cell sources line by line, as the student reads them
+            text = "\n".join(c.source for c in nbformat.reads(text, as_version=4).cells)
+        for marker in MARKERS:
+            if marker in text:
+                found.append(f"{path.relative_to(root)}: marker {marker!r}")
+        for line in text.splitlines():
+            if line.strip() in protected:
+                found.append(f"{path.relative_to(root)}: a line of {protected[line.strip()]}'s answers: {line.strip()!r}")
+    return found
+
+
+def student_readme() -> str:
+    table = re.search(r"## The labs\n\n(\|.*?)\n\n", (REPO / "README.md").read_text(), re.S)
+    return f"""# Distributed Training Labs
+
+Graded Jupyter labs on distributed training in PyTorch that run for real on a laptop CPU (several
+processes talking through gloo) and unchanged on a GPU machine (NCCL, one GPU per process).
+
+```bash
+launchers/lab     # open the labs in JupyterLab (creates .venv the first time, ~1-3 min; then seconds)
+```
+
+You need Python 3.10+ (3.11 recommended) and `bash`. The first run installs the pinned environment from
+`requirements.txt` (torch 2.13.0, JupyterLab, ...) into `.venv/`; later runs reuse it.
+Conda users: `conda env create -f environment.yml`, then `jupyter lab` inside `labs/`.
+
+## The labs
+
+{table.group(1) if table else ''}
+
+Open `labs/NN_name/NN_name.ipynb`, run it top to bottom and fill in the cells marked `YOUR CODE HERE` /
+`YOUR ANSWER HERE`. The check after each exercise says what was expected and what came back. The graded
+version of each check may run more cases (other world sizes, shapes and dtypes) than you see.
+
+Multi-process steps run as real `torchrun` jobs started from the notebook (`lablib/runs/<step>.py`); a
+timeout or "interrupt kernel" stops every process. If a step reports that a rank was *killed by a signal*,
+that is the machine, not your code: run the cell again.
+
+Hand in the notebook file itself (`labs/NN_name/NN_name.ipynb`), the way your course asks.
+"""
+
+
+def build(dest: Path) -> Path:
+    """Write the student repository into dest (which must be empty or absent) and commit it."""
+    dest = Path(dest).resolve()
+    if dest.exists() and any(dest.iterdir()):
+        raise SystemExit(f"{dest} is not empty; give a new folder for the student repository")
+    if REPO in dest.parents or dest == REPO:
+        raise SystemExit(f"{dest} is inside the course repository; give a folder outside it")
+    missing = [lab for lab in all_labs() if not (LABS / lab / f"{lab}.ipynb").exists()]
+    if missing:
+        raise SystemExit(f"labs/ lacks {missing}: run launchers/release first")
+    dest.mkdir(parents=True, exist_ok=True)
+    for item in SHIPPED:
+        source = REPO / item
+        if source.is_dir():
+            shutil.copytree(source, dest / item, ignore=lambda d, names: [n for n in names if NEVER.search(n)])
+        else:
+            (dest / item).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / item)
+    (dest / "README.md").write_text(student_readme())
+    (dest / ".gitignore").write_text(".venv/\n__pycache__/\n*.pyc\n.ipynb_checkpoints/\n*.egg-info/\n"
+                                     "*_impl.py\nexecuted/\n")
+    problems = audit(dest)
+    if problems:
+        shutil.rmtree(dest)
+        raise SystemExit("the student repository would give answers away; nothing was written:\n" + "\n".join(problems))
+    if shutil.which("git"):
+        git = ["git", "-C", str(dest), "-c", "user.name=Course staff", "-c", "user.email=staff@example.invalid"]
+        subprocess.run([*git, "init", "-q"], check=True)
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-q", "-m", "Distributed Training Labs (student release)"], check=True)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="launchers/release --student-repo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dest", type=Path, help="a new folder, outside the course repository")
+    args = parser.parse_args(argv)
+    dest = build(args.dest)
+    files = sum(1 for p in dest.rglob("*") if p.is_file() and ".git" not in p.relative_to(dest).parts)
+    print(f"student repository: {dest} ({files} files, labs {', '.join(all_labs())}); audited: no answer in it")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,74 @@
+"""The repository students clone (launchers/release --student-repo): built, audited, installed in a fresh
+virtual environment, and run there, with no solution line, hidden test or test suite anywhere in it."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import labkit
+from instructor import student_repo
+
+REPO = labkit.REPO
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("student") / "repo"
+    result = subprocess.run([str(REPO / "launchers" / "release"), "--student-repo", str(dest)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return dest
+
+
+def test_it_holds_the_labs_and_what_runs_them_and_nothing_else(built):
+    top = sorted(p.name for p in built.iterdir() if p.name != ".git")
+    assert top == sorted([".gitignore", "README.md", "environment.yml", "lablib", "labs", "launchers",
+                          "pyproject.toml", "requirements.txt"])
+    assert sorted(p.name for p in (built / "labs").iterdir()) == labkit.labs()
+    assert sorted(p.name for p in (built / "launchers").iterdir()) == ["_setup.sh", "lab"]
+    assert "launchers/lab" in (built / "README.md").read_text()
+    assert student_repo.audit(built) == []
+    log = subprocess.run(["git", "-C", str(built), "log", "--oneline"], capture_output=True, text=True)
+    assert len(log.stdout.splitlines()) == 1, "one commit, no history from the course repository"
+
+
+def test_the_audit_finds_a_planted_answer(built, tmp_path):
+    lab, line = next((lab, line) for line, lab in student_repo.protected_lines().items())
+    planted = tmp_path / "lablib" / "helpers.py"
+    planted.parent.mkdir()
+    planted.write_text(f"def f():\n    {line}\n")
+    assert any(lab in problem for problem in student_repo.audit(tmp_path))
+
+
+def test_solution_only_launcher_options_are_refused(built):
+    result = subprocess.run(["bash", str(built / "launchers" / "lab"), "--solutions"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 2 and "labs only" in result.stderr
+
+
+def test_installed_in_a_fresh_venv_it_imports_and_runs_a_step(built, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # The pinned dependencies (torch, ...) come from the course environment, read-only through a path line;
+    # lablib itself is installed from the student repository, not in editable mode.
+    (site / "course_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                              "--no-build-isolation", str(built)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stdout + install.stderr
+    assert student_repo.audit(site / "lablib") == []
+    probe = ("import lablib, lablib.launch as L; print(lablib.__file__); "
+             "r = L.run('hello', nproc=2, timeout_s=120, quiet=True); print(r['metrics']['all_reduce_sum'])\n"
+             "try:\n    import instructor\nexcept ImportError:\n    print('no instructor package')")
+    run = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith(str(site)), f"lablib was imported from {lines[0]}, not from the fresh venv"
+    assert lines[1:] == ["3.0", "no instructor package"]
