@@ -18,10 +18,10 @@ c.CourseDirectory.submitted_directory = "grading/submitted"
 c.CourseDirectory.autograded_directory = "grading/autograded"
 c.CourseDirectory.feedback_directory = "grading/feedback"
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(HERE, "grading", "gradebook.db")
-# Files a lab writes while it runs (exercise modules, results, checkpoints) are never released.
+# Files a lab writes while it runs (exercise modules, JSON results, saved tensors) are never released.
 c.CourseDirectory.ignore = [
     ".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback",
-    "*_impl.py", "results", "checkpoints", "*.json", "*.pt",
+    "*_impl.py", "*.json", "*.pt",
 ]
 
 # A cell that launches a torchrun step can take minutes; the launcher has its own, shorter timeout.

@@ -187,7 +187,7 @@ class CourseLayout:
             f"c.CourseDirectory.db_url = 'sqlite:///{work / 'gradebook.db'}'\n")
         shutil.rmtree(work / "source" / lab, ignore_errors=True)
         shutil.copytree(SOLUTIONS / lab, work / "source" / lab,
-                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*_impl.py", "results"))
+                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*_impl.py"))
         return cls(work, work / "submitted", work / "feedback", work / "gradebook.db")
 
 

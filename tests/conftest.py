@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +17,11 @@ if "LABLIB_SHAKESPEARE" not in os.environ and SHARED_TEXT.is_file():
     os.environ["LABLIB_SHAKESPEARE"] = str(SHARED_TEXT)
 
 LAB_TIMES: dict[str, dict[str, float]] = {}
+# Every test parametrized with a lab (its id names it) is charged to that lab: the CI cost of a lab, all of
+# its checks included, against the course's budget of about 3 minutes per lab (twelve labs in 45 minutes).
+LAB_CI_BUDGET_S = 180.0
+LAB_CI_COST: dict[str, float] = {}
+LAB_ID = re.compile(r"\[(\d\d_[a-z0-9_]+)\]")
 
 
 @pytest.fixture(scope="session")
@@ -23,10 +29,18 @@ def lab_times():
     return LAB_TIMES
 
 
+def pytest_runtest_logreport(report):
+    match = LAB_ID.search(report.nodeid)
+    if match:
+        LAB_CI_COST[match.group(1)] = LAB_CI_COST.get(match.group(1), 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter):
-    if not LAB_TIMES:
+    if not LAB_CI_COST:
         return
-    terminalreporter.section("lab execution times (2-core CI machine, NBGRADER_EXECUTION sizes)")
-    for lab, times in sorted(LAB_TIMES.items()):
-        parts = ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
-        terminalreporter.write_line(f"{lab}: {parts}")
+    terminalreporter.section(f"CI cost per lab (2-core machine; budget {LAB_CI_BUDGET_S:.0f} s per lab)")
+    for lab, cost in sorted(LAB_CI_COST.items()):
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in LAB_TIMES.get(lab, {}).items())
+        flag = "  OVER BUDGET" if cost > LAB_CI_BUDGET_S else ""
+        terminalreporter.write_line(f"{lab}: {cost:.0f} s in all{flag}" + (f" ({parts})" if parts else ""))
+    terminalreporter.write_line(f"all labs: {sum(LAB_CI_COST.values()):.0f} s")
