@@ -9,6 +9,10 @@ Backend and device are chosen here and nowhere else:
                                        NCCL refuses two ranks on one device)
 - no GPU                            -> gloo on the CPU                    (a laptop, CI)
 ``LABLIB_DEVICE=cpu`` forces the CPU path on a GPU machine.
+
+gloo serves CUDA tensors only in part. When ranks share one GPU over gloo, ``distributed`` tries the
+collectives the labs use on tiny GPU tensors once, right after init; if gloo cannot run one of them there,
+the step runs on the CPU instead and rank 0 says why (``DistEnv.fallback``, also in the result JSON).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import contextlib
 import datetime
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -34,6 +38,7 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str
+    fallback: str = ""      # why this step runs on the CPU although a GPU was chosen, if it does
 
     @property
     def is_main(self) -> bool:
@@ -50,6 +55,7 @@ class DistEnv:
             "torch": torch.__version__,
             "cuda_devices": torch.cuda.device_count(),
             "threads_per_rank": torch.get_num_threads(),
+            "fallback": self.fallback,
         }
 
 
@@ -86,6 +92,32 @@ def from_env() -> DistEnv:
     return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
 
 
+# The collectives the course's steps call (FSDP2 all-gathers and reduce-scatters; DDP all-reduces and
+# broadcasts), tried on the GPU when ranks share it over gloo.
+GLOO_CUDA_PROBES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def gloo_gaps(device: torch.device, world_size: int) -> list[str]:
+    """The collectives of GLOO_CUDA_PROBES that the initialised group cannot run on tensors of ``device``,
+    each with the first line of its error. Every rank tries the same ones in the same order: whether gloo
+    supports a collective on a device is the same on every rank, so they stay in step."""
+    gaps = []
+    for name in GLOO_CUDA_PROBES:
+        x = torch.ones(world_size, device=device)
+        try:
+            if name == "all_reduce":
+                dist.all_reduce(x)
+            elif name == "broadcast":
+                dist.broadcast(x, src=0)
+            elif name == "all_gather_into_tensor":
+                dist.all_gather_into_tensor(torch.empty(world_size * world_size, device=device), x)
+            else:
+                dist.reduce_scatter_tensor(torch.empty(1, device=device), x)
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            gaps.append(f"{name} ({str(exc).strip().splitlines()[0][:100]})")
+    return gaps
+
+
 @contextlib.contextmanager
 def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
     """Initialise the process group (with a timeout), yield the DistEnv, always destroy the group.
@@ -106,6 +138,14 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
         if env.backend == "nccl":
             kwargs["device_id"] = env.device
         dist.init_process_group(**kwargs)
+    if dist.is_initialized() and env.backend == "gloo" and env.device.type == "cuda":
+        gaps = gloo_gaps(env.device, env.world_size)
+        if gaps:
+            env = replace(env, device=torch.device("cpu"),
+                          fallback=f"{env.world_size} ranks share {env.device} over gloo, which cannot run "
+                                   f"{'; '.join(gaps)} on GPU tensors: this step runs on the CPU")
+            if env.is_main:
+                print(f"[lablib] {env.fallback}", flush=True)
     try:
         yield env
         if dist.is_initialized():

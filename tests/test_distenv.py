@@ -52,3 +52,22 @@ def test_nccl_on_two_gpus():
     result = launch.run("hello", nproc=2, timeout_s=120, quiet=True)
     assert result["env"]["backend"] == "nccl"
     assert result["metrics"]["all_reduce_sum"] == 3
+
+
+def test_a_collective_gloo_cannot_serve_is_found_and_named(monkeypatch):
+    """The probe behind the one-GPU fallback, on a one-rank gloo group: a collective that raises is a gap."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert distenv.gloo_gaps(torch.device("cpu"), 1) == []
+
+        def unsupported(*args, **kwargs):
+            raise RuntimeError("ProcessGroupGloo::reduce_scatter: unsupported device type cuda\nmore")
+
+        monkeypatch.setattr(dist, "reduce_scatter_tensor", unsupported)
+        assert distenv.gloo_gaps(torch.device("cpu"), 1) == [
+            "reduce_scatter_tensor (ProcessGroupGloo::reduce_scatter: unsupported device type cuda)"]
+    finally:
+        dist.destroy_process_group()
