@@ -12,15 +12,45 @@ A call is counted when it is posted: a posted receive is a promise to accept tha
 On gloo (and on NCCL, for large messages) a blocking ``send`` returns only once the peer has posted the
 matching receive, so every rank calling ``send`` before ``recv`` deadlocks: post both with
 ``isend``/``irecv``, then wait.
+
+``direct_calls()`` records the opposite: any ``torch.distributed`` communication function called *around*
+the comm inside a block (a ``dist.all_reduce`` where a ring was asked for), so a check can require that
+every byte went through the counters.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+# How many torch.distributed calls (the comm's own, or a recorded one) are running in this process: a call
+# made from inside another (torch's send calls its isend) is part of that one, not a direct call.
+_depth = 0
+
+
+@contextlib.contextmanager
+def _inside():
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+# Every torch.distributed function that moves data or synchronises ranks (torch 2.x names).
+COMMUNICATION_CALLS = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
+    "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
+    "recv_object_list",
+)
 
 
 @dataclass
@@ -30,18 +60,22 @@ class TrafficCount:
     bytes_received: int = 0
     sends: int = 0
     recvs: int = 0
+    largest_send: int = 0                     # bytes of the largest single message sent
     sent_to: dict = field(default_factory=lambda: defaultdict(int))
     received_from: dict = field(default_factory=lambda: defaultdict(int))
 
     def as_dict(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "sends": self.sends,
-                "recvs": self.recvs, "sent_to": dict(self.sent_to), "received_from": dict(self.received_from)}
+                "recvs": self.recvs, "largest_send": self.largest_send, "sent_to": dict(self.sent_to),
+                "received_from": dict(self.received_from)}
 
 
 class CountingComm:
     """send/recv/isend/irecv between the ranks of one process group, with exact byte counters.
 
-    rank, world_size: this process's place in the group (``group`` None = the default group).
+    rank, world_size: this process's place in the group (``group`` None = the default group). With a
+    sub-group (``dist.new_group(ranks=...)``) both are the group's own, and so are the peers of every call:
+    the comm passes them as ``group_dst`` / ``group_src``.
     A world size of 1 needs no process group at all: there is nobody to talk to, and any call is an error.
     """
 
@@ -58,23 +92,27 @@ class CountingComm:
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Blocking send: returns once ``dst`` has received (so ``dst`` must post its receive first or concurrently)."""
         self._count_send(tensor, dst)
-        dist.send(tensor, dst, group=self.group)
+        with _inside():
+            dist.send(tensor, group=self.group, group_dst=dst)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Blocking receive from ``src`` into ``tensor`` (its size says how many bytes are expected)."""
         self._count_recv(tensor, src)
-        dist.recv(tensor, src, group=self.group)
+        with _inside():
+            dist.recv(tensor, group=self.group, group_src=src)
 
     def isend(self, tensor: torch.Tensor, dst: int):
         """Non-blocking send; returns a Work whose ``.wait()`` returns once the send completed.
         Do not modify ``tensor`` before then."""
         self._count_send(tensor, dst)
-        return dist.isend(tensor, dst, group=self.group)
+        with _inside():
+            return dist.isend(tensor, group=self.group, group_dst=dst)
 
     def irecv(self, tensor: torch.Tensor, src: int):
         """Non-blocking receive into ``tensor``; read it only after ``.wait()`` on the returned Work."""
         self._count_recv(tensor, src)
-        return dist.irecv(tensor, src, group=self.group)
+        with _inside():
+            return dist.irecv(tensor, group=self.group, group_src=src)
 
     # --- counters ------------------------------------------------------------------------------------
 
@@ -103,9 +141,43 @@ class CountingComm:
         self.traffic.bytes_sent += n_bytes
         self.traffic.sends += 1
         self.traffic.sent_to[dst] += n_bytes
+        self.traffic.largest_send = max(self.traffic.largest_send, n_bytes)
 
     def _count_recv(self, tensor: torch.Tensor, src: int) -> None:
         n_bytes = self._check(tensor, src, "recv")
         self.traffic.bytes_received += n_bytes
         self.traffic.recvs += 1
         self.traffic.received_from[src] += n_bytes
+
+
+@contextlib.contextmanager
+def direct_calls():
+    """Record the torch.distributed communication calls made inside the block other than through a CountingComm.
+
+    Yields a list that fills with the names called (``"all_reduce"``, ``"isend"``, ...); the calls still run
+    unchanged. Both ``torch.distributed.<name>`` and ``torch.distributed.distributed_c10d.<name>`` are
+    watched, which catches ``dist.all_reduce(...)`` and an import inside the function; a name bound by
+    ``from torch.distributed import all_reduce`` before the block is not (its traffic is then missing
+    from the comm's counters, which a check also sees). Not thread-safe: one block at a time.
+    """
+    called: list[str] = []
+    replaced = []
+    for module in (dist, c10d):
+        for name in COMMUNICATION_CALLS:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+
+            def recording(*args, _name=name, _original=original, **kwargs):
+                if _depth == 0:
+                    called.append(_name)
+                with _inside():
+                    return _original(*args, **kwargs)
+
+            setattr(module, name, recording)
+            replaced.append((module, name, original))
+    try:
+        yield called
+    finally:
+        for module, name, original in reversed(replaced):
+            setattr(module, name, original)

@@ -6,14 +6,15 @@ solution of the lab's exercise is needed: its byte counts are known in closed fo
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lablib import launch
-from lablib.p2p import CountingComm
+from lablib.p2p import CountingComm, direct_calls
 
 
 def test_world_size_one_needs_no_process_group():
     comm = CountingComm(0, 1)
-    assert comm.counts() == {"bytes_sent": 0, "bytes_received": 0, "sends": 0, "recvs": 0,
+    assert comm.counts() == {"bytes_sent": 0, "bytes_received": 0, "sends": 0, "recvs": 0, "largest_send": 0,
                              "sent_to": {}, "received_from": {}}
 
 
@@ -38,21 +39,41 @@ def test_bad_rank_rejected():
 NAIVE_IMPL = "from lablib.runs.ring_allreduce import naive_all_reduce as ring_all_reduce\n"
 
 
+def test_direct_calls_records_calls_around_the_comm():
+    with direct_calls() as called:
+        with pytest.raises(ValueError):             # no process group here: the call still runs, and fails
+            dist.all_reduce(torch.zeros(2))
+        with pytest.raises(ValueError):
+            torch.distributed.distributed_c10d.broadcast(torch.zeros(2), src=0)
+    assert called == ["all_reduce", "broadcast"]
+    assert dist.all_reduce.__name__ == "all_reduce"   # put back after the block
+
+
 def test_run_script_counts_bytes_exactly(tmp_path):
     impl = tmp_path / "naive_impl.py"
     impl.write_text(NAIVE_IMPL)
-    result = launch.run("ring_allreduce", nproc=3, impl=str(impl), sizes=(5, 1000), dtypes=("float32", "bfloat16"),
-                        timeout_s=120, quiet=True)
+    # World sizes 2 and 3 in one launch of 3 processes (ranks 0..1 form a sub-group), a 1-D and a 2-D tensor.
+    result = launch.run("ring_allreduce", nproc=3, impl=str(impl), world_sizes=(2, 3), sizes=(5,), shapes=("4x250",),
+                        dtypes=("float32", "bfloat16"), timeout_s=120, quiet=True)
     rows = result["metrics"]["check"]
-    assert len(rows) == 4
+    assert [(r["world_size"], r["shape"], r["dtype"]) for r in rows] == [
+        (n, shape, dtype) for n in (2, 3) for dtype in ("float32", "bfloat16") for shape in ([5], [4, 250])]
     for r in rows:
-        M = r["n_bytes"]
-        assert r["max_abs_err"] == 0.0
-        # naive: rank 0 receives N-1 tensors and sends N-1; the others one each way.
-        assert r["bytes_sent"] == [2 * M, M, M]
-        assert r["bytes_received"] == [2 * M, M, M]
+        n, M = r["world_size"], r["n_bytes"]
+        assert r["max_abs_err"] == 0.0 and r["returned_input"] and r["direct_calls"] == []
+        # naive: rank 0 receives N-1 tensors and sends N-1; the others one each way; every message is whole.
+        assert r["bytes_sent"] == [(n - 1) * M] + [M] * (n - 1)
+        assert r["bytes_received"] == [(n - 1) * M] + [M] * (n - 1)
+        assert r["largest_send"] == [M] * n
+        assert r["sent_to_ranks"] == [list(range(1, n))] + [[0]] * (n - 1)
+        assert r["received_from_ranks"] == r["sent_to_ranks"]
         assert r["naive_bytes_sent"] == r["bytes_sent"]
         assert r["element_size"] == (4 if r["dtype"] == "float32" else 2)
+
+
+def test_world_sizes_need_enough_processes():
+    with pytest.raises(ValueError, match="need more ranks"):
+        launch.run("ring_allreduce", nproc=2, world_sizes=(2, 3), timeout_s=10)
 
 
 def test_run_script_benchmark_reports_medians(tmp_path):

@@ -1,16 +1,21 @@
 """Lab 02's distributed step: check a ring all-reduce against ``dist.all_reduce``, count its bytes, time it.
 
-    torchrun --standalone --nproc-per-node 3 -m lablib.runs.ring_allreduce --impl ring_impl.py --out out.json
+    torchrun --standalone --nproc-per-node 4 -m lablib.runs.ring_allreduce --impl ring_impl.py \
+        --world_sizes 2,3,4 --out out.json
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.ring_allreduce --impl ring_impl.py \\
         --sizes "" --bench_bytes 1024,1048576,16777216 --out bench.json
 
 The student's ``ring_all_reduce(tensor, comm)`` (from --impl) sums ``tensor`` over all ranks in place,
 talking only through ``comm``, a ``lablib.p2p.CountingComm`` that counts every byte it sends and receives.
 
-- check (``sizes``, element counts, for each of ``dtypes``): every rank fills a tensor with small random
-  integers (so every summation order gives the same bits), runs the student's function and
-  ``dist.all_reduce`` on copies, and reports the largest difference and its exact byte counts per rank.
+- check (``sizes``, element counts, and ``shapes``, multi-dimensional, for each of ``dtypes``): every rank
+  fills a tensor with small random integers (so every summation order gives the same bits), runs the
+  student's function and ``dist.all_reduce`` on copies, and reports the largest difference, its exact byte
+  counts per rank, the peers each rank sent to and received from, its largest message, and any
+  ``torch.distributed`` function it called itself instead of going through the comm (``p2p.direct_calls``).
   The naive scheme (gather to rank 0, then broadcast) is counted on the same tensors, for comparison.
+  ``world_sizes`` checks several world sizes in one launch: for each size w the ranks 0..w-1 form a gloo
+  sub-group (the others wait), so 2, 3 and 4 ranks cost one torchrun start instead of three.
 - benchmark (``bench_bytes``, message sizes in bytes, float32): the student's ring, the naive scheme and
   gloo's own ``dist.all_reduce``, interleaved, ``repeats`` times each after one warm-up; each repetition's
   time is the slowest rank's.
@@ -25,6 +30,7 @@ keeps the lab's counts and timings comparable everywhere.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -35,11 +41,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lablib import script
+from lablib import processes, script
 from lablib.impl import load_module
-from lablib.p2p import CountingComm
+from lablib.p2p import CountingComm, direct_calls
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int32": torch.int32, "int64": torch.int64}
 
 
@@ -47,7 +53,9 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 class Config:
     impl: str = "ring_impl.py"                      # the module file the notebook's exercise cell writes
     sizes: tuple[int, ...] = (12, 1001, 65536, 65537, 262144)   # element counts to check (empty: no check)
+    shapes: tuple[str, ...] = ()                    # multi-dimensional tensors to check too, e.g. "3x1366"
     dtypes: tuple[str, ...] = ("float32",)
+    world_sizes: tuple[int, ...] = ()               # world sizes to check, each <= nproc (empty: nproc only)
     bench_bytes: tuple[int, ...] = ()               # message sizes in bytes to time (empty: no benchmark)
     repeats: int = 5                                 # timed repetitions per size and method (x4 up to 1 MiB)
     deadlock_s: float = 20.0                         # a single call taking longer than this is a deadlock
@@ -59,10 +67,31 @@ class Config:
             raise ValueError(f"dtypes {unknown} are not supported; choose from {', '.join(DTYPES)}")
         if any(n < 1 for n in self.sizes):
             raise ValueError(f"sizes={self.sizes}: every tensor needs at least one element")
+        for shape in self.shapes:
+            parse_shape(shape)
         if any(b < 4 or b % 4 for b in self.bench_bytes):
             raise ValueError(f"bench_bytes={self.bench_bytes}: float32 messages need a multiple of 4 bytes")
+        if any(w < 1 for w in self.world_sizes):
+            raise ValueError(f"world_sizes={self.world_sizes}: every world size needs at least one rank")
         if self.repeats < 1 or self.deadlock_s <= 0:
             raise ValueError(f"repeats={self.repeats} must be >= 1 and deadlock_s={self.deadlock_s} positive")
+
+    def validate_world(self, world_size: int) -> None:
+        too_big = [w for w in self.world_sizes if w > world_size]
+        if too_big:
+            raise ValueError(f"world_sizes={self.world_sizes}: {too_big} need more ranks than the {world_size} "
+                             f"started; start at least {max(too_big)} (nproc={max(too_big)})")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """ "3x1366" -> (3, 1366), with a clear error for anything else."""
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise ValueError(f"shape {text!r}: write positive dimensions separated by x, e.g. '3x1366'")
+    return shape
 
 
 def naive_all_reduce(tensor: torch.Tensor, comm: CountingComm) -> torch.Tensor:
@@ -93,7 +122,7 @@ def watchdog(rank: int, seconds: float, what: str):
                    f"comm.send every rank waits for a receive that its neighbour never posts: post both "
                    f"with comm.isend / comm.irecv and then wait(), and check that what rank r sends to r+1 "
                    f"is what r+1 expects from r (same step, same chunk size).")
-        script._record_error(os.environ.get("LABLIB_RUN_DIR"), rank, TimeoutError(message))
+        processes.record_error(rank, TimeoutError(message))
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
         os._exit(1)
@@ -120,36 +149,64 @@ def gather_to_rank0(value, world_size: int, group) -> list:
 
 
 def check_sizes(env, config: Config, ring_all_reduce, group) -> list[dict]:
-    comm = CountingComm(env.rank, env.world_size, group)
+    """Every (world size, dtype, shape) case; rank 0 returns one row per case, the others an empty list."""
+    shapes = [(n,) for n in config.sizes] + [parse_shape(s) for s in config.shapes]
     results = []
-    for dtype_name in config.dtypes:
-        for i, numel in enumerate(config.sizes):
-            x = small_integers(numel, DTYPES[dtype_name], config.seed * 7919 + 1000 * i + env.rank)
-            expected = x.clone()
-            dist.all_reduce(expected, group=group)
-            got = x.clone()
-            comm.reset()
-            with watchdog(env.rank, config.deadlock_s, f"ring_all_reduce on {numel} {dtype_name} elements"):
-                returned = ring_all_reduce(got, comm)
-            ring_counts = comm.counts()
-            max_err = (got.double() - expected.double()).abs().max().item()
-            comm.reset()
-            with watchdog(env.rank, config.deadlock_s, "naive_all_reduce"):
-                naive_all_reduce(x.clone(), comm)
-            per_rank = gather_to_rank0({"max_abs_err": max_err, "returned_input": returned is got,
-                                        "ring": ring_counts, "naive": comm.counts()}, env.world_size, group)
-            results.append({
-                "numel": numel, "dtype": dtype_name, "element_size": x.element_size(),
-                "n_bytes": numel * x.element_size(),
-                "max_abs_err": max(r["max_abs_err"] for r in per_rank),
-                "returned_input": all(r["returned_input"] for r in per_rank),
-                **{f"{key}": [r["ring"][key] for r in per_rank]
-                   for key in ("bytes_sent", "bytes_received", "sends", "recvs")},
-                "sent_to": [r["ring"]["sent_to"] for r in per_rank],
-                "naive_bytes_sent": [r["naive"]["bytes_sent"] for r in per_rank],
-                "naive_bytes_received": [r["naive"]["bytes_received"] for r in per_rank],
-            })
+    for world_size in config.world_sizes or (env.world_size,):
+        # Ranks 0..w-1 form the sub-group (every rank must call new_group, members or not).
+        sub = group if world_size == env.world_size else dist.new_group(list(range(world_size)), backend="gloo")
+        member = env.rank < world_size
+        comm = CountingComm(env.rank, world_size, sub) if member else None
+        for dtype_name in config.dtypes:
+            for i, shape in enumerate(shapes):
+                mine = check_one(env, config, ring_all_reduce, comm, sub, shape, dtype_name, i) if member else None
+                per_rank = [r for r in gather_to_rank0(mine, env.world_size, group) if r is not None]
+                if env.is_main:
+                    results.append(summarise(per_rank, world_size, shape, dtype_name))
     return results
+
+
+def check_one(env, config: Config, ring_all_reduce, comm: CountingComm, sub, shape, dtype_name: str, i: int) -> dict:
+    """One case on one member rank: the student's ring and dist.all_reduce on copies, then the naive scheme."""
+    numel = math.prod(shape)
+    x = small_integers(numel, DTYPES[dtype_name], config.seed * 7919 + 1000 * i + env.rank).view(shape)
+    expected = x.clone()
+    dist.all_reduce(expected, group=sub)
+    got = x.clone()
+    comm.reset()
+    with watchdog(env.rank, config.deadlock_s,
+                  f"ring_all_reduce on {comm.world_size} ranks, a {dtype_name} tensor of shape {tuple(shape)}"):
+        with direct_calls() as called:
+            returned = ring_all_reduce(got, comm)
+    ring_counts = comm.counts()
+    max_err = ((got.double() - expected.double()).abs().max().item() if got.shape == expected.shape
+               else float("inf"))
+    comm.reset()
+    with watchdog(env.rank, config.deadlock_s, "naive_all_reduce"):
+        naive_all_reduce(x.clone(), comm)
+    return {"max_abs_err": max_err, "returned_input": returned is got, "direct_calls": sorted(set(called)),
+            "element_size": x.element_size(), "ring": ring_counts, "naive": comm.counts()}
+
+
+def summarise(per_rank: list[dict], world_size: int, shape, dtype_name: str) -> dict:
+    """One JSON row: per-rank lists in rank order (index = rank in the checked group)."""
+    numel, element_size = math.prod(shape), per_rank[0]["element_size"]
+    return {
+        "world_size": world_size, "numel": numel, "shape": list(shape), "dtype": dtype_name,
+        "element_size": element_size, "n_bytes": numel * element_size,
+        "max_abs_err": max(r["max_abs_err"] for r in per_rank),
+        "returned_input": all(r["returned_input"] for r in per_rank),
+        # torch.distributed functions the student's code called itself, on any rank (should be none)
+        "direct_calls": sorted({name for r in per_rank for name in r["direct_calls"]}),
+        **{key: [r["ring"][key] for r in per_rank]
+           for key in ("bytes_sent", "bytes_received", "sends", "recvs", "largest_send")},
+        # per rank: the ranks it sent to / received from (sorted), and the bytes per peer
+        "sent_to_ranks": [sorted(r["ring"]["sent_to"]) for r in per_rank],
+        "received_from_ranks": [sorted(r["ring"]["received_from"]) for r in per_rank],
+        "sent_to": [r["ring"]["sent_to"] for r in per_rank],
+        "naive_bytes_sent": [r["naive"]["bytes_sent"] for r in per_rank],
+        "naive_bytes_received": [r["naive"]["bytes_received"] for r in per_rank],
+    }
 
 
 def benchmark(env, config: Config, ring_all_reduce, group) -> dict:
@@ -187,12 +244,13 @@ def train(env, config: Config) -> dict:
     # CPU tensors through gloo on every machine (see the module docstring).
     group = None if env.backend == "gloo" else dist.new_group(backend="gloo")
     result = {"world_size": env.world_size, "comm_backend": "gloo"}
-    if config.sizes:
+    if config.sizes or config.shapes:
         result["check"] = check_sizes(env, config, impl.ring_all_reduce, group)
         if env.is_main:
             worst = max(r["max_abs_err"] for r in result["check"])
-            print(f"{env.world_size} ranks: ring_all_reduce checked on {len(result['check'])} tensors "
-                  f"(sizes {', '.join(map(str, config.sizes))}; {', '.join(config.dtypes)}), "
+            ranks = ", ".join(map(str, config.world_sizes or (env.world_size,)))
+            print(f"{ranks} ranks: ring_all_reduce checked on {len(result['check'])} tensors "
+                  f"(sizes {', '.join(map(str, config.sizes + config.shapes))}; {', '.join(config.dtypes)}), "
                   f"max |ring - dist.all_reduce| = {worst:g}")
     if config.bench_bytes:
         result["bench"] = benchmark(env, config, impl.ring_all_reduce, group)

@@ -45,7 +45,7 @@ def ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s=0.0)
         comm.recv(chunks[recv_i], left)
     return tensor
 '''),
-        ("gathers everything to rank 0 and broadcasts: right sum, rank 0 sends (N-1) x M", _RING_HEADER + '''
+        ("gathers everything to rank 0 and broadcasts through comm: right sum, not a ring, rank 0 sends (N-1) x M", _RING_HEADER + '''
     if rank == 0:
         incoming = torch.empty_like(tensor)
         for src in range(1, n):
@@ -56,6 +56,15 @@ def ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s=0.0)
     else:
         comm.send(tensor, 0)
         comm.recv(tensor, 0)
+    return tensor
+'''),
+        ("calls dist.all_reduce instead of writing a ring: right sum, no ring, nothing through comm", '''%%writefile ring_impl.py
+import torch.distributed as dist
+
+
+def ring_all_reduce(tensor, comm):
+    if comm.world_size > 1:
+        dist.all_reduce(tensor, group=comm.group)
     return tensor
 '''),
         ("pads every chunk to ceil(M/N) elements: right sum, padding bytes on the wire", _RING_HEADER + '''
@@ -92,12 +101,52 @@ def ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s=0.0)
         chunks[recv_i].add_(incoming)
     return tensor
 '''),
+        ("scratch buffer in float32 whatever the tensor's dtype: right on float32, wrong on bf16/int64", _RING_HEADER + '''
+    chunks = torch.tensor_split(tensor.view(-1), n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    scratch = torch.empty(chunks[0].numel(), dtype=torch.float32)
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        incoming = scratch[: chunks[recv_i].numel()]
+        works = [comm.isend(chunks[send_i], right), comm.irecv(incoming, left)]
+        for w in works:
+            w.wait()
+        chunks[recv_i].add_(incoming.to(tensor.dtype))
+    for step in range(n - 1):
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        works = [comm.isend(chunks[send_i], right), comm.irecv(chunks[recv_i], left)]
+        for w in works:
+            w.wait()
+    return tensor
+'''),
+        ("splits the first dimension instead of the flattened tensor: right on 1-D, uneven chunks on 2-D", _RING_HEADER + '''
+    chunks = torch.tensor_split(tensor, n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv_i])
+        works = [comm.isend(chunks[send_i], right), comm.irecv(incoming, left)]
+        for w in works:
+            w.wait()
+        chunks[recv_i].add_(incoming)
+    for step in range(n - 1):
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        works = [comm.isend(chunks[send_i], right), comm.irecv(chunks[recv_i], left)]
+        for w in works:
+            w.wait()
+    return tensor
+'''),
     ],
     "gradient_cost": [
         ("assumes 4 bytes per parameter whatever the dtype", '''
 def gradient_allreduce_cost(n_params, dtype, world_size, bandwidth_bytes_per_s, alpha_s=0.0):
     n_bytes = n_params * 4
     return ring_bytes_per_rank(n_bytes, world_size), ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s)
+'''),
+        ("drops alpha_s: the latency term never reaches ring_allreduce_time", '''
+def gradient_allreduce_cost(n_params, dtype, world_size, bandwidth_bytes_per_s, alpha_s=0.0):
+    n_bytes = n_params * torch.empty((), dtype=dtype).element_size()
+    return ring_bytes_per_rank(n_bytes, world_size), ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s)
 '''),
     ],
     "latency_answer": [
