@@ -189,3 +189,55 @@ def predict_speedup(t_compute, t_opt, t_comm, overlap, world_size):
         ("assumes DDP hides all communication", 'serial_answer = "c"'),
     ],
 }
+
+# Correct answers written differently: each must keep full marks on its exercise's test cells, visible and
+# hidden (tests/test_lablib_scaling.py runs them against the solution's test cells, without a kernel).
+CORRECT_VARIANTS = {
+    "amdahl_laws": [
+        ("NumPy ufuncs, and the algebraically equal forms N / (N(1-p) + p) and N - (1-p)(N-1)", '''
+import numpy as np
+
+def amdahl_speedup(p, world_size):
+    return np.divide(world_size, np.multiply(world_size, 1 - p) + p)
+
+
+def gustafson_speedup(p, world_size):
+    return world_size - (1 - p) * (world_size - 1)
+'''),
+    ],
+    "fit_amdahl_p": [
+        ("NumPy dot products, N = 1 points dropped first", '''
+import numpy as np
+
+def fit_amdahl_p(world_sizes, speedups):
+    n = np.asarray(world_sizes, dtype=float)
+    s = np.asarray(speedups, dtype=float)
+    keep = n > 1
+    if not keep.any():
+        raise ValueError(f"no world size above 1 in {list(world_sizes)}: nothing to fit")
+    x, y = 1 - 1 / n[keep], 1 - 1 / s[keep]
+    return float(x @ y / (x @ x))
+'''),
+        ("np.linalg.lstsq on a one-column design matrix, converted to float", '''
+import numpy as np
+
+def fit_amdahl_p(world_sizes, speedups):
+    x = 1 - 1 / np.asarray(world_sizes, dtype=float)
+    y = 1 - 1 / np.asarray(speedups, dtype=float)
+    if not np.any(x):
+        raise ValueError("need at least one point with N > 1")
+    return float(np.linalg.lstsq(x[:, None], y, rcond=None)[0][0])
+'''),
+    ],
+    "predict_speedup": [
+        ("the speedup written out without calling predict_step_time; hidden share subtracted", '''
+def predict_step_time(t_compute, t_opt, t_comm, overlap, world_size):
+    hidden = overlap * t_comm
+    return t_compute / world_size + t_opt + t_comm - hidden
+
+
+def predict_speedup(t_compute, t_opt, t_comm, overlap, world_size):
+    return (t_compute + t_opt) / (t_compute / world_size + t_opt + (1 - overlap) * t_comm)
+'''),
+    ],
+}
