@@ -9,7 +9,9 @@ MLP on a synthetic regression task twice, from the same initial weights and data
   backward all-reduces. Same math, K times the communication.
 Each variant's all-reduces are counted with a DDP communication hook and its steps timed.
 Rank 0 also trains a plain single-process copy on each whole global batch (world_size * K micro-batches
-in one backward) - the reference the accumulated DDP weights must equal.
+in one backward) - the reference the accumulated DDP weights must equal. With ``--last-micro-batch-size``
+each rank's last micro-batch is smaller than the others (the end of an epoch), so the micro-batch losses
+must be weighted by their share of the samples, not by 1/K.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ class Config:
     impl: str = "accum_impl.py"     # the module file the notebook's exercise cell writes
     accum_steps: int = 4            # K micro-batches per optimizer step
     micro_batch_size: int = 32      # samples per micro-batch, per rank
+    last_micro_batch_size: int = 0  # samples in each rank's last micro-batch (0: micro_batch_size, all equal)
     steps: int = 8                  # optimizer steps per variant (the first is warm-up, not timed)
     d_in: int = 256
     d_hidden: int = 1024
     n_hidden: int = 2
     lr: float = 0.05
+    # MiB per DDP bucket, the first bucket included. DDP's default (bucket_cap_mb=None) is different: the
+    # first bucket is capped at 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES), the others at 25 MiB.
     bucket_cap_mb: float = 25.0
     seed: int = 0
 
@@ -48,25 +53,35 @@ class Config:
         for name in ("accum_steps", "micro_batch_size", "steps", "d_in", "d_hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.last_micro_batch_size < 0:
+            raise ValueError(f"last_micro_batch_size={self.last_micro_batch_size} must be at least 1 (or 0: the same "
+                             f"as micro_batch_size={self.micro_batch_size})")
         if self.bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive (DDP's default is 25)")
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive (MiB per bucket, e.g. 25)")
         require_file(self.impl)
 
 
+def micro_batch_sizes(config: Config) -> list[int]:
+    """Samples in each of a rank's K micro-batches: K - 1 of micro_batch_size, then the last one."""
+    return [config.micro_batch_size] * (config.accum_steps - 1) + [config.last_micro_batch_size or config.micro_batch_size]
+
+
 def global_batch(config: Config, step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's whole batch, identical on every rank: (world_size * K * micro, d_in) and (..., 1)."""
+    """The step's whole batch, identical on every rank: (world_size * samples per rank, d_in) and (..., 1)."""
     g = torch.Generator().manual_seed(config.seed * 1000 + step)
-    n = world_size * config.accum_steps * config.micro_batch_size
+    n = world_size * sum(micro_batch_sizes(config))
     x = torch.randn(n, config.d_in, generator=g)
     y = torch.sin(x[:, :8].sum(dim=1, keepdim=True))  # a smooth target the MLP can learn
     return x, y
 
 
 def rank_micro_batches(x, y, config: Config, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's contiguous slice of the global batch, cut into K micro-batches."""
-    per_rank = config.accum_steps * config.micro_batch_size
+    """This rank's contiguous slice of the global batch, cut into K micro-batches (every rank holds as many
+    samples, so DDP's mean over ranks of the rank means is the global batch's mean)."""
+    sizes = micro_batch_sizes(config)
+    per_rank = sum(sizes)
     xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-    return list(zip(xs.split(config.micro_batch_size), ys.split(config.micro_batch_size)))
+    return list(zip(xs.split(sizes), ys.split(sizes)))
 
 
 def new_model(config: Config, device) -> torch.nn.Module:

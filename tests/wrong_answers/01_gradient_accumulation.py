@@ -9,7 +9,7 @@ def accumulation_step(model, optimizer, micro_batches, loss_fn):
 
 WRONG_ANSWERS = {
     "accumulation_step": [
-        ("forgets to divide each micro-batch loss by K", _ACCUM_HEADER + '''
+        ("forgets to weight the micro-batch losses (plain sum of the means)", _ACCUM_HEADER + '''
     optimizer.zero_grad()
     total = 0.0
     for i, (x, y) in enumerate(micro_batches):
@@ -21,23 +21,12 @@ WRONG_ANSWERS = {
     optimizer.step()
     return total
 '''),
-        ("correct math but no no_sync(): K all-reduces per step under DDP", _ACCUM_HEADER + '''
+        ("divides by K: right only when every micro-batch has the same size", _ACCUM_HEADER + '''
     K = len(micro_batches)
     optimizer.zero_grad()
     total = 0.0
-    for x, y in micro_batches:
-        loss = loss_fn(model(x), y) / K
-        loss.backward()
-        total += loss.item()
-    optimizer.step()
-    return total
-'''),
-        ("no_sync() on every micro-batch, the last one too: gradients never all-reduced", _ACCUM_HEADER + '''
-    K = len(micro_batches)
-    optimizer.zero_grad()
-    total = 0.0
-    for x, y in micro_batches:
-        ctx = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+    for i, (x, y) in enumerate(micro_batches):
+        ctx = model.no_sync() if hasattr(model, "no_sync") and i < K - 1 else contextlib.nullcontext()
         with ctx:
             loss = loss_fn(model(x), y) / K
             loss.backward()
@@ -45,12 +34,62 @@ WRONG_ANSWERS = {
     optimizer.step()
     return total
 '''),
+        ("correct math but no no_sync(): K all-reduces per step under DDP", _ACCUM_HEADER + '''
+    n = sum(len(x) for x, _ in micro_batches)
+    optimizer.zero_grad()
+    total = 0.0
+    for x, y in micro_batches:
+        loss = loss_fn(model(x), y) * len(x) / n
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+'''),
+        ("no_sync() on every micro-batch, the last one too: gradients never all-reduced", _ACCUM_HEADER + '''
+    n = sum(len(x) for x, _ in micro_batches)
+    optimizer.zero_grad()
+    total = 0.0
+    for x, y in micro_batches:
+        ctx = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) * len(x) / n
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+'''),
+        ("no_sync() on the last micro-batch and sync on the first (the wrong end)", _ACCUM_HEADER + '''
+    n = sum(len(x) for x, _ in micro_batches)
+    optimizer.zero_grad()
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        ctx = model.no_sync() if hasattr(model, "no_sync") and i > 0 else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) * len(x) / n
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+'''),
+        ("zeroes .grad after the step instead of before: stale gradients from before the call leak in", _ACCUM_HEADER + '''
+    n = sum(len(x) for x, _ in micro_batches)
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        ctx = model.no_sync() if hasattr(model, "no_sync") and i < len(micro_batches) - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) * len(x) / n
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+'''),
         ("steps the optimizer after every micro-batch", _ACCUM_HEADER + '''
-    K = len(micro_batches)
+    n = sum(len(x) for x, _ in micro_batches)
     total = 0.0
     for x, y in micro_batches:
         optimizer.zero_grad()
-        loss = loss_fn(model(x), y) / K
+        loss = loss_fn(model(x), y) * len(x) / n
         loss.backward()
         optimizer.step()
         total += loss.item()
@@ -68,6 +107,17 @@ def microbatch_loss(logits, targets, n_tokens_total, ignore_index=-100):
     n_here = (targets != ignore_index).sum()
     mean = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
     return mean * n_here / n_tokens_total
+'''),
+        ("hard-codes ignore_index=-100 instead of passing the argument on", '''
+def microbatch_loss(logits, targets, n_tokens_total, ignore_index=-100):
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100, reduction="sum")
+    return loss_sum / n_tokens_total
+'''),
+        ("counts the real tokens itself, assuming padding is -100", '''
+def microbatch_loss(logits, targets, n_tokens_total, ignore_index=-100):
+    mask = targets.reshape(-1) != -100
+    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1))[mask], targets.reshape(-1)[mask], reduction="sum")
+    return losses / n_tokens_total
 '''),
     ],
     "bn_answer": [
