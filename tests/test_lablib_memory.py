@@ -69,6 +69,17 @@ def test_checkpointing_keeps_only_block_inputs():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_layers_with_weights_are_the_blocks_linears_and_layernorms():
+    from lablib.runs.zero_memory import layers_with_weights
+    model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16))
+    layers = layers_with_weights(model)
+    assert len(layers) == 3 * 6                     # ln_1, c_attn, c_proj, ln_2, c_fc, c_proj per block
+    assert all(isinstance(m, (nn.Linear, nn.LayerNorm)) for m in layers)
+    inside = {id(p) for m in layers for p in m.parameters()}
+    outside = [n for n, p in model.named_parameters() if id(p) not in inside]
+    assert sorted(outside) == ["ln_f.bias", "ln_f.weight", "wpe.weight", "wte.weight"]   # left to the root unit
+
+
 def test_zero_memory_run_matches_the_formula_on_two_ranks():
     result = launch.run("zero_memory", nproc=2, steps=2, timeout_s=180, quiet=True, show_progress=False,
                         variants="ddp,zero1,fsdp_full,fsdp_grad_op_bf16")

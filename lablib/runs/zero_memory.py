@@ -7,9 +7,9 @@ the same batches, each time with the model states kept differently:
 
 - ``ddp``            DistributedDataParallel + AdamW: everything replicated (the baseline);
 - ``zero1``          DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer``: optimizer state sharded;
-- ``fsdp_grad_op``   FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients and optimizer state
-                     sharded, parameters kept whole from the forward to the backward (ZeRO-2-like);
-- ``fsdp_full``      FSDP2 ``fully_shard`` (reshard_after_forward=True): everything sharded (ZeRO-3);
+- ``fsdp_grad_op``   FSDP2 ``fully_shard(reshard_after_forward=False)`` on every layer: gradients and optimizer
+                     state sharded, parameters kept whole from the forward to the backward (ZeRO-2-like);
+- ``fsdp_full``      FSDP2 ``fully_shard`` (reshard_after_forward=True) on every layer: everything sharded (ZeRO-3);
 - ``fsdp_grad_op_bf16`` (only when asked for) ``fsdp_grad_op`` with ``MixedPrecisionPolicy(param_dtype=bf16)``:
                      where the mixed-precision recipe's 2-byte weights show up.
 
@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib import data, memory, script
+from lablib import data, memory, rankcheck, script
 from lablib.models import GPT, GPTConfig
 
 VARIANTS = ("ddp", "zero1", "fsdp_grad_op", "fsdp_full", "fsdp_grad_op_bf16")
@@ -98,14 +98,24 @@ def apply_ddp(model: torch.nn.Module, config: Config, zero1: bool):
     return ddp, opt
 
 
-def apply_fsdp(model: GPT, config: Config, reshard_after_forward: bool, bf16: bool = False):
-    # One FSDP group per transformer block, then the root (embeddings, tied lm_head, final LayerNorm).
-    # bf16: compute with bf16 copies of the gathered weights; the fp32 shards stay the master copy.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
-    for block in model.h:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    return model, torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+def layers_with_weights(model: GPT) -> list[torch.nn.Module]:
+    """Every Linear and LayerNorm inside the transformer blocks: the modules that own parameters directly."""
+    return [m for block in model.h for m in block.modules() if any(True for _ in m.parameters(recurse=False))]
+
+
+def shard_every_layer(model: GPT, reshard_after_forward: bool, param_dtype: torch.dtype | None = None) -> GPT:
+    """Shard the model states for the memory count: each weight-holding layer of the blocks is its own FSDP2
+    unit (the finest grain FSDP2 allows; the bytes held per parameter do not depend on the grouping, only the
+    number of collectives does), and whatever is left (embeddings, the tied lm_head, ln_f) goes to the root.
+
+    reshard_after_forward=False keeps every layer's gathered weights from its forward to its backward
+    (ZeRO-2-like); True frees them after the forward (ZeRO-3). param_dtype=bf16 computes with bf16 copies of
+    the gathered weights while the fp32 shards stay the master copy (the reduction dtype stays FSDP2's default).
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    for layer in layers_with_weights(model) + [model]:   # inner units first: the root must come last
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return model
 
 
 def held_params(model: torch.nn.Module, sharded: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -121,8 +131,9 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
         wrapped, opt = apply_ddp(model, config, zero1=variant == "zero1")
         sharded = []
     else:
-        wrapped, opt = apply_fsdp(model, config, reshard_after_forward=variant == "fsdp_full",
-                                  bf16=variant.endswith("_bf16"))
+        wrapped = shard_every_layer(model, reshard_after_forward=variant == "fsdp_full",
+                                    param_dtype=torch.bfloat16 if variant.endswith("_bf16") else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         sharded = list(model.parameters())   # DTensors; FSDP2 keeps these objects for the whole run
     losses, counts = [], {}
     for step, (x, y) in enumerate(steps):
@@ -158,8 +169,7 @@ def train(env, config: Config) -> dict:
     }
     for variant in config.variant_list:
         mine = train_variant(env, config, variant, steps)
-        per_rank = [None] * env.world_size
-        dist.all_gather_object(per_rank, mine["memory"])   # every rank's counts, to rank 0
+        per_rank = rankcheck.gather_objects(mine["memory"], env)   # every rank's counts
         result["variants"][variant] = {"losses": mine["losses"], "memory_per_rank": per_rank}
         if env.is_main:
             peak = max(r["peak"]["total"] for r in per_rank)
