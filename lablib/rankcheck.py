@@ -31,12 +31,13 @@ class RecordingDataset(Dataset):
         return self.base[i]
 
 
-def gather_objects(obj, env) -> list:
-    """[rank 0's obj, rank 1's obj, ...] on every rank (a one-element list without a process group)."""
+def gather_objects(obj, env, group=None) -> list:
+    """[rank 0's obj, rank 1's obj, ...] of ``group`` (default: every rank) on each of its ranks; a
+    one-element list without a process group. The course's one way to bring per-rank figures together."""
     if not dist.is_initialized():
         return [obj]
-    out = [None] * env.world_size
-    dist.all_gather_object(out, obj)
+    out = [None] * (env.world_size if group is None else dist.get_world_size(group))
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib import scaling, script
 from lablib.models import MLP
-from lablib.rankcheck import max_abs_diff
+from lablib.rankcheck import gather_objects, max_abs_diff
 
 PARTS = ("compute_s", "wait_s", "comm_s", "opt_s")
 EVAL_SAMPLES = 4096   # the loss reported before and after training is measured on the first 4096 samples
@@ -184,10 +184,7 @@ def summarize(env, r: Replica, config: Config) -> dict:
     ddp_step_s = scaling.slowest_rank(r.ddp_times[w:], env.device, r.group)
     # Every rank's own times, for a per-rank timeline (gathered; small: a few numbers per step and rank).
     mine = {"explicit": {k: v[w:] for k, v in r.parts.items()}, "ddp": r.ddp_spans[w:]}
-    per_rank = [mine]
-    if dist.is_initialized():
-        per_rank = [None] * r.world_size
-        dist.all_gather_object(per_rank, mine, group=r.group)
+    per_rank = gather_objects(mine, env, group=r.group)
     last = r.ddp_spans[-1]["buckets"] if r.ddp_spans else []
     return {"explicit": {**{f"median_{k}": scaling.median(v) for k, v in timed.items()},
                          "median_step_s": scaling.median(explicit_step_s), "step_s": explicit_step_s, **timed},
