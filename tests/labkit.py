@@ -43,14 +43,25 @@ def test_cells(nb, exercise: str) -> dict[str, tuple[int, float]]:
             if nbg(c).get("grade") and c.cell_type == "code" and nbg(c)["grade_id"].startswith(f"test_{exercise}")}
 
 
-def wrong_answers(lab: str) -> dict[str, list[tuple[str, str]]]:
+def _answers_module(lab: str):
     path = REPO / "tests" / "wrong_answers" / f"{lab}.py"
     if not path.exists():
-        return {}
+        return None
     spec = importlib.util.spec_from_file_location(f"wrong_{lab}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.WRONG_ANSWERS
+    return module
+
+
+def wrong_answers(lab: str) -> dict[str, list[tuple[str, str]]]:
+    """exercise -> [(the mistake, its source)]: each must lose points (tests/wrong_answers/<lab>.py)."""
+    return getattr(_answers_module(lab), "WRONG_ANSWERS", {})
+
+
+def correct_variants(lab: str) -> dict[str, list[tuple[str, str]]]:
+    """exercise -> [(how it differs, its source)]: correct answers written differently, which must keep
+    full marks (``CORRECT_VARIANTS`` beside the wrong answers; optional)."""
+    return getattr(_answers_module(lab), "CORRECT_VARIANTS", {})
 
 
 def cell_errors(cell) -> list[str]:

@@ -126,7 +126,7 @@ def test_solution_full_marks_and_release_zero(lab, tmp_path, lab_times):
 def test_wrong_answers_lose_points(lab, tmp_path, lab_times):
     t0 = time.perf_counter()
     wrong = labkit.wrong_answers(lab)
-    report, missed = [], []
+    report, missed, punished = [], [], []
     with labkit.LiveLab(lab, tmp_path / lab) as live:
         errors = live.run_all()
         assert not errors, f"the solution notebook raised errors: {errors}"
@@ -137,6 +137,13 @@ def test_wrong_answers_lose_points(lab, tmp_path, lab_times):
                               f"({', '.join(r.failed_tests) or 'no test failed'})")
                 if r.points_lost == 0:
                     missed.append(report[-1])
+        for exercise, variants in labkit.correct_variants(lab).items():
+            for description, source in variants:
+                r = live.try_wrong_answer(exercise, description, source)
+                report.append(f"{exercise}: correct variant '{description}' lost {r.points_lost:g}/{r.points_possible:g}")
+                if r.points_lost:
+                    punished.append(f"{report[-1]} ({r.failed_tests})")
     lab_times.setdefault(lab, {})["wrong-answer checks"] = time.perf_counter() - t0
     print("\n".join(report))
     assert not missed, "wrong answers that lose no points:\n" + "\n".join(missed)
+    assert not punished, "correct answers that lose points:\n" + "\n".join(punished)
