@@ -1,4 +1,4 @@
-"""Measure a training step the same way for every parallelism: time, peak memory, collectives.
+"""Measure a training step the same way for every parallelism: time, memory, CPU share, collectives.
 
 A ``StepMeter`` is called by a training loop after every optimizer step (``on_step(step, loss)``), so the
 loop itself carries no measuring code and a DDP loop, an FSDP2 loop and an Accelerate loop are measured
@@ -7,14 +7,19 @@ identically. Between two calls lies exactly one training step (forward, backward
 
 - **step time**: the median interval between calls, leaving out warm-up, evaluation and measured steps;
   tokens/s = tokens of the global batch / the slowest rank's median step time;
-- **peak memory per rank** (one step, ``profile_step``), counted the same way on every device, never
+- **memory per rank** (one step, ``profile_step``), counted the same way on every device, never
   estimated: the model states from their storages (parameters and AdamW state between steps, the gradients
   when ``optimizer.step`` is called, DDP's persistent gradient buckets from its communication hook; FSDP2's
-  DTensors by their local shards) + the activations autograd saves for the backward (every storage that
-  passes through a ``saved_tensors_hooks`` pack hook during the step, parameters excluded). Their sum is
-  the memory at the end of the forward, where training peaks; it leaves out short-lived temporaries and
-  FSDP2's transiently all-gathered unit. Not the process's RSS (Python, libraries and cached pages are
-  megabytes of noise); on a GPU ``torch.cuda.max_memory_allocated`` is recorded next to it;
+  DTensors by their local shards) and the activations autograd saves for the backward (every storage that
+  passes through a ``saved_tensors_hooks`` pack hook during the step, parameters excluded). Two sums are
+  reported, named for what they are: ``end_of_forward`` = at rest + saved activations (``zero_grad`` sets
+  the gradients to None, so none exist yet), and ``upper_bound`` = at rest + gradients + activations (the
+  backward frees activations as it creates gradients, so the true peak lies between the larger of the two
+  ends and this bound). Both leave out short-lived temporaries and FSDP2's transiently all-gathered unit.
+  Not the process's RSS (Python, libraries and cached pages are megabytes of noise); on a GPU
+  ``torch.cuda.max_memory_allocated`` (the allocator's real peak) is recorded next to them;
+- **CPU share**: the process's CPU time per step over its wall time (1.0: one core busy all the time;
+  below 1 on one thread: the rank waited, for a collective or for a core another process held);
 - **collectives per step** (one step, ``count_step``): FSDP2's all-gathers and reduce-scatters pass through
   ``torch.distributed`` and are counted by wrapping its functions for one step; DDP's gradient
   all-reduces are issued by its C++ reducer and are counted by a communication hook on every DDP model
@@ -133,10 +138,11 @@ class StepMeter:
         self.profile_step, self.count_step = profile_step, count_step
         self.ddp_counters = ddp_counters if ddp_counters is not None else []
         self.intervals: dict[int, float] = {}
+        self.cpu_intervals: dict[int, float] = {}
         self.losses: list[float] = []
         self.memory: dict = {}
         self.collectives: dict = {}
-        self._t = None
+        self._t = self._cpu = None
         self._window = None
         self._ddp_calls = self._ddp_bytes = 0      # cumulative totals of the DDP counters at the last call
         self._ddp_step_bytes = 0                   # bytes all-reduced in the last step = DDP's bucket bytes
@@ -175,7 +181,8 @@ class StepMeter:
             m["activations"] = activations.bytes
             m["at_rest"] = m["params"] + m["optimizer"] + m["ddp_buckets"]
             m["during_step"] = m["grads"] + m["activations"]
-            m["peak"] = m["at_rest"] + m["during_step"]
+            m["end_of_forward"] = m["at_rest"] + m["activations"]
+            m["upper_bound"] = m["at_rest"] + m["during_step"]
             if self.env.device.type == "cuda":
                 torch.cuda.synchronize(self.env.device)
                 m["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.env.device)
@@ -193,24 +200,33 @@ class StepMeter:
         calls, nbytes = sum(c.calls for c in self.ddp_counters), sum(c.bytes for c in self.ddp_counters)
         self._ddp_step_bytes = nbytes - self._ddp_bytes
         self._ddp_calls, self._ddp_bytes = calls, nbytes
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         measured = step - 1 in (self.profile_step, self.count_step)
         after_eval = (step - 1) % self.eval_every == 0
         if self._t is not None and step > 2 and not measured and not after_eval:
             self.intervals[step] = now - self._t
+            self.cpu_intervals[step] = cpu - self._cpu
         self.losses.append(float(loss.detach()))
         script.progress(self.env, step, self.total_steps, loss=self.losses[-1])
         self._open(step)
-        self._t = time.perf_counter()
+        self._t, self._cpu = time.perf_counter(), time.process_time()
 
     def summary(self) -> dict:
         """Every rank must call this (it all-reduces the step time: the slowest rank sets the pace)."""
         if self._window is not None:
             self._close()
         median = statistics.median(self.intervals.values()) if self.intervals else float("nan")
-        t = torch.tensor([median], dtype=torch.float64)
+        cpu_share = (statistics.median(self.cpu_intervals[k] / self.intervals[k] for k in self.intervals)
+                     if self.intervals else float("nan"))
+        per_rank = torch.tensor([median, cpu_share], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return {"median_step_time_s": t.item(), "tokens_per_s": self.tokens_per_step / t.item(),
+            gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, per_rank)
+        else:
+            gathered = [per_rank]
+        slowest = max(float(g[0]) for g in gathered)              # the slowest rank sets the pace
+        return {"median_step_time_s": slowest, "tokens_per_s": self.tokens_per_step / slowest,
+                "median_step_time_s_per_rank": [float(g[0]) for g in gathered],
+                "cpu_share_per_rank": [float(g[1]) for g in gathered],
                 "train_losses": self.losses, "memory": self.memory, "collectives_per_step": self.collectives,
                 "timed_steps": len(self.intervals)}

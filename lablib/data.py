@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -137,12 +137,49 @@ class BlockDataset(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def make_loader(dataset: Dataset, batch_size: int, env, *, shuffle: bool = True, seed: int = 0) -> DataLoader:
-    """A DataLoader whose DistributedSampler gives this rank its own 1/world_size of the data.
+class GlobalBatchSampler(Sampler):
+    """Batches of this rank's slice of each *global* batch, reshuffled every time it is iterated.
 
-    Call ``loader.sampler.set_epoch(epoch)`` at the start of every epoch: the shuffle is seeded with
-    seed + epoch, so without it every epoch repeats the same order.
+    One permutation of the dataset per epoch, seeded with ``seed + epoch`` (the same on every rank); global
+    batch i is positions [i B, (i + 1) B) of it, and rank r takes the contiguous slice
+    [i B + r b, i B + (r + 1) b) with b = B / world_size. So every optimizer step sees the same B samples
+    whatever the number of ranks, and the ranks' samples are disjoint. The epoch advances by itself at every
+    ``iter()`` (like Accelerate's loaders), so a loop needs no call per epoch.
+    Lab 05's reference runs (one process, FSDP2) use it; ``DistributedSampler``, which interleaves instead of
+    slicing, gives each step the same set of B samples from the same permutation (the lab derives why).
     """
-    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank,
-                                 shuffle=shuffle, seed=seed, drop_last=True)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+    def __init__(self, n_items: int, global_batch: int, env, seed: int = 0):
+        if global_batch < 1 or global_batch % env.world_size:
+            raise ValueError(f"global_batch={global_batch} must be a positive multiple of world_size={env.world_size}")
+        if n_items < global_batch:
+            raise ValueError(f"{n_items} items are too few for one global batch of {global_batch}")
+        self.n_items, self.global_batch, self.seed = n_items, global_batch, seed
+        self.rank_batch = global_batch // env.world_size
+        self.first = env.rank * self.rank_batch            # this rank's offset inside a global batch
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.n_items // self.global_batch           # incomplete last global batch dropped
+
+    def __iter__(self):
+        order = torch.randperm(self.n_items, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        self.epoch += 1
+        for start in range(0, len(self) * self.global_batch, self.global_batch):
+            yield order[start + self.first: start + self.first + self.rank_batch].tolist()
+
+
+def global_batch_loader(dataset: Dataset, global_batch: int, env, seed: int = 0) -> DataLoader:
+    """A DataLoader over this rank's share (global_batch / world_size items) of each global batch."""
+    return DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), global_batch, env, seed))
+
+
+def shakespeare_datasets(block_size: int, val_blocks: int | None = None):
+    """(tokenizer, train BlockDataset, validation BlockDataset) of Tiny Shakespeare, character level;
+    val_blocks keeps only the first that many validation sequences (None: all)."""
+    text = load_shakespeare()
+    tokenizer = CharTokenizer.from_text(text)
+    train_tokens, val_tokens = train_val_split(tokenizer.encode(text))
+    if val_blocks is not None:
+        val_tokens = val_tokens[: val_blocks * block_size + 1]
+    return tokenizer, BlockDataset(train_tokens, block_size), BlockDataset(val_tokens, block_size)

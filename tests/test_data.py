@@ -102,17 +102,29 @@ def test_tokenizer_split_and_blocks():
     assert torch.equal(x[1:], y[:-1]) and torch.equal(x, ids[4:8])
 
 
-def test_distributed_sampler_gives_disjoint_shards_and_reshuffles():
+def test_global_batch_sampler_slices_the_same_global_batches_on_any_world_size():
     ds = data.BlockDataset(torch.arange(1001), block_size=10)  # 100 windows
-    seen = []
-    for rank in range(2):
-        env = DistEnv(rank, rank, 2, 2, torch.device("cpu"), "gloo")
-        loader = data.make_loader(ds, batch_size=5, env=env, seed=3)
-        loader.sampler.set_epoch(0)
-        epoch0 = [int(x[0, 0]) for x, _ in loader]
-        loader.sampler.set_epoch(1)
-        epoch1 = [int(x[0, 0]) for x, _ in loader]
-        assert epoch0 != epoch1, "set_epoch must change the order"
-        seen.append({int(x[i, 0]) for x, _ in loader for i in range(len(x))})
-    assert not seen[0] & seen[1], "ranks must see disjoint windows"
-    assert len(seen[0] | seen[1]) == 100
+    one = data.global_batch_loader(ds, 8, DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo"), seed=3)
+    loaders = [data.global_batch_loader(ds, 8, DistEnv(r, r, 2, 2, torch.device("cpu"), "gloo"), seed=3) for r in range(2)]
+    for epoch in range(2):                            # every iter() is the next epoch: a new permutation
+        single = [sorted(int(v) for v in x[:, 0] // 10) for x, _ in one]
+        per_rank = [[[int(v) for v in x[:, 0] // 10] for x, _ in loader] for loader in loaders]
+        assert len(single) == 12 and all(len(b) == 4 for rank in per_rank for b in rank)
+        for i, batch in enumerate(single):            # step i: the same 8 windows, split 4 + 4, disjoint
+            assert sorted(per_rank[0][i] + per_rank[1][i]) == batch
+            assert not set(per_rank[0][i]) & set(per_rank[1][i])
+        if epoch == 0:
+            first = single
+    assert first != single, "the second pass must be another permutation"
+    other_seed = data.global_batch_loader(ds, 8, DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo"), seed=4)
+    assert [sorted(int(v) for v in x[:, 0] // 10) for x, _ in other_seed] != first
+    with pytest.raises(ValueError, match="multiple of world_size=2"):
+        data.GlobalBatchSampler(100, 7, DistEnv(0, 0, 2, 2, torch.device("cpu"), "gloo"))
+
+
+def test_shakespeare_datasets_keep_the_asked_validation_blocks(monkeypatch):
+    if not SHARED.is_file():
+        pytest.skip("needs ../shared/data/tinyshakespeare.txt")
+    monkeypatch.setenv(data.ENV_VAR, str(SHARED))
+    tok, train, val = data.shakespeare_datasets(block_size=64, val_blocks=8)
+    assert tok.vocab_size == 65 and len(val) == 8 and len(train) > 10_000

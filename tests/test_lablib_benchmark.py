@@ -1,4 +1,5 @@
-"""lablib.benchmark (StepMeter), lablib.checkpointing, lablib.rankcheck and the lab 05 run script gpt_migration."""
+"""lablib.benchmark (StepMeter), lablib.checkpointing, lablib.rankcheck, lablib.training, lablib.probes and the
+lab 05 run script gpt_migration."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import textwrap
 import pytest
 import torch
 
-from lablib import launch
+from pathlib import Path
+from types import SimpleNamespace
+
+from lablib import data, launch, training
 from lablib.benchmark import StepMeter
 from lablib.checkpointing import CheckpointedBlock, apply_activation_checkpointing
 from lablib.distenv import from_env
@@ -68,7 +72,9 @@ def test_step_meter_in_one_process(capsys):
     assert memory["params"] == 4 * P                               # tied weights counted once
     assert memory["optimizer"] >= 8 * P                            # two AdamW moments (+ step counters)
     assert memory["during_step"] >= 4 * P                          # at least the gradients are allocated in a step
-    assert memory["peak"] == memory["at_rest"] + memory["during_step"]
+    assert memory["upper_bound"] == memory["at_rest"] + memory["during_step"]
+    assert memory["end_of_forward"] == memory["at_rest"] + memory["activations"]
+    assert 0 < out["cpu_share_per_rank"][0] <= 1.5 and len(out["median_step_time_s_per_rank"]) == 1
     assert out["collectives_per_step"] == {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     assert out["tokens_per_s"] > 0 and len(out["train_losses"]) == 8
     assert out["timed_steps"] >= 3
@@ -128,8 +134,39 @@ def test_gpt_migration_counts_and_shards_on_two_ranks(tmp_path):
     assert fsdp["collectives_per_step"] == {"all_reduce": 0, "all_gather": 5, "reduce_scatter": 3}   # 2L+1, L+1
     assert ddp["weight_spread_across_ranks"] == 0.0
     assert ddp["samples_seen"]["overlapping_samples"] == 0
-    assert fsdp["fsdp_plan"]["policy"] == {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}
+    assert fsdp["fsdp_plan"]["units"] == {name: {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}
+                                          for name in ("", "h.0", "h.1")}
+    assert ddp["probe"]["loader"]["sampler"] == ["DistributedSampler"] * 2
+    assert ddp["val_curve"][-1][0] == 6 and ddp["evaluation_steps"] == [3, 6]
     assert all(abs(b - fsdp["full_param_bytes"] / 2) <= 0.02 * fsdp["full_param_bytes"] for b in fsdp["param_bytes_per_rank"])
     assert fsdp["memory"]["at_rest"] < ddp["memory"]["at_rest"] / 2   # 12P/2 against 16P
     assert (tmp_path / "ckpt" / "ddp_rank0.pt").is_file() and (tmp_path / "ckpt" / "fsdp_dcp").is_dir()
-    assert gpt_migration.VARIANTS[0] == "single"
+    assert list(gpt_migration.SETUPS)[0] == "single"
+
+
+def test_evaluation_steps_and_reference_loop_in_one_process():
+    assert training.evaluation_steps(24, 10) == [10, 20, 24] and training.evaluation_steps(20, 10) == [10, 20]
+    ds = data.BlockDataset(torch.randint(0, 65, (4001,)), block_size=16)
+    env = from_env()
+    model = GPT(TINY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = SimpleNamespace(steps=5, batch_size=8, val_batch_size=4, eval_every=2, seed=0)
+    calls = []
+    curve, trained = training.train_loop(model, optimizer, ds, ds, config, env, training.reference_parts(),
+                                         lambda step, loss: calls.append(step))
+    assert calls == [1, 2, 3, 4, 5] and [s for s, _ in curve] == [2, 4, 5] and trained is model
+    full = training.evaluate(model, ds, 50, env)
+    assert curve[-1][1] == pytest.approx(full, rel=1e-5)   # batch size does not change the mean
+
+
+def test_exercises_are_graded_against_lablib_references_not_each_other():
+    """No cascade: the FSDP2 and Accelerate test cells use lablib's baseline, never the student's DDP run."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    import labkit
+    nb = labkit.read("05_gpt_migration")
+    for exercise in ("apply_fsdp", "accelerate_loop"):
+        for grade_id, (index, _) in labkit.test_cells(nb, exercise).items():
+            source = nb.cells[index].source
+            for name in ("ddp[", "ddp_accum", "ddp_run", "probe"):
+                assert name not in source, f"{grade_id} depends on exercise 1's results ({name})"

@@ -85,6 +85,12 @@ def evaluate(model, val_loader, accelerator):
     return torch.cat(losses).mean().item()
 '''
 
+_PREPARE_ALL = "model, optimizer, loader, val_loader = accelerator.prepare(model, optimizer, loader, val_loader)"
+
+# A correct variant must keep full marks (tests/test_labs.py does not run these; they are documented here and
+# checked by hand: a correct apply_fsdp keeps its points when exercise 1's answer is wrong, since exercise 2 is
+# graded against lablib's single-process baseline, not against the student's DDP run).
+
 WRONG_ANSWERS = {
     "ddp_parts": [
         ("a plain shuffled DataLoader instead of a DistributedSampler: every rank trains on the same data",
@@ -121,6 +127,19 @@ def mean_across_ranks(value, env):
 def wrap_model(model, env):
     return model
 ''' + _LOADER + _EPOCH + _MEAN),
+        ("ignores the seed argument: every run shuffles with seed 0", _DDP_HEADER + _WRAP + '''
+
+def make_loader(dataset, batch_size, env, seed):
+    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+''' + _EPOCH + _MEAN),
+        ("returns the mean on rank 0 only (other ranks get their own value)", _DDP_HEADER + _WRAP + _LOADER + _EPOCH + '''
+
+def mean_across_ranks(value, env):
+    total = value.detach().clone().float()
+    dist.reduce(total, dst=0)
+    return total.item() / env.world_size if env.rank == 0 else value.item()
+'''),
     ],
     "apply_fsdp": [
         ("only fully_shard at the root: the whole model is one unit, all-gathered at once", _FSDP_HEADER + '''
@@ -147,12 +166,26 @@ def wrap_model(model, env):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 '''),
+        ("blocks reduce in bf16, only the root in fp32 (a root-only check would pass it)", _FSDP_HEADER + '''
+    for block in model.h:
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    return model
+'''),
     ],
     "accelerate_loop": [
         ("prepares the model and optimizer but not the data loaders: every process trains on the same batches",
          _ACC.replace("PREPARE", "model, optimizer = accelerator.prepare(model, optimizer)")),
         ("prepares the data loaders but not the model: no DDP, the processes drift apart",
          _ACC.replace("PREPARE", "optimizer, loader, val_loader = accelerator.prepare(optimizer, loader, val_loader)")),
+        ("validation loss on the process's own shard, without gather_for_metrics",
+         _ACC.replace("PREPARE", _PREPARE_ALL).replace("accelerator.gather_for_metrics(per_sequence)", "per_sequence")),
+        ("skips the evaluation of the last step (only every eval_every steps)",
+         _ACC.replace("PREPARE", _PREPARE_ALL).replace("if step % config.eval_every == 0 or step == config.steps:",
+                                                        "if step % config.eval_every == 0:")),
+        ("per-process batch equal to the global batch: twice the samples per step",
+         _ACC.replace("PREPARE", _PREPARE_ALL).replace("batch_size=config.batch_size // accelerator.num_processes",
+                                                        "batch_size=config.batch_size")),
     ],
     "pick_strategy": [
         ("believes FSDP is always the better choice", 'pick = {"S1": "fsdp", "S2": "fsdp", "S3": "accelerate"}'),

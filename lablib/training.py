@@ -1,0 +1,191 @@
+"""Lab 05's training loop, written once for a single process, DDP, DDP + accumulation and FSDP2.
+
+What differs between those variants is handed to the loop as ``Parts`` (how the model is wrapped, where each
+rank's batches come from, how a metric is combined across ranks); a single process is world size 1 with
+the reference parts, not a second code path. The reference parts are lablib's own and independent of the
+lab's exercises: no wrapper (or FSDP2 applied before the loop), ``data.GlobalBatchSampler`` (each rank a
+contiguous slice of every global batch), and every rank evaluating the whole validation set, so a
+reference curve needs no collective at all. The exercises' DDP parts plug into the same loop.
+
+Every variant trains on the same global batch of ``config.batch_size`` sequences per optimizer step and
+evaluates at the same steps (``evaluation_steps``), so their curves are comparable point by point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from lablib import data
+from lablib.models import GPT, GPTConfig
+
+# The GPT of the source tutorial the lab checks (6 layers, 384 wide, 6 heads, context 256): ~10.7 M
+# parameters with the character vocabulary. The lab trains it when CUDA is present; on a CPU it is far
+# too slow for a 3-minute notebook, so the CPU workload is the course's small GPT.
+SOURCE_GPT = dict(block_size=256, n_layer=6, n_head=6, n_embd=384)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The pieces of a data-parallel loop that differ between variants.
+
+    wrap_model(model, env) -> model           e.g. DistributedDataParallel; identity for the reference
+    make_loader(dataset, batch_size, env, seed) an iterable of (x, y) batches of batch_size sequences per rank
+    start_epoch(loader, epoch)                called before each pass over the loader
+    mean_across_ranks(value, env) -> float    combines the ranks' validation means; None: every rank
+                                              evaluates the whole validation set
+    accumulate                                micro-batches per optimizer step (no_sync() on all but the last)
+    """
+
+    wrap_model: Callable
+    make_loader: Callable
+    start_epoch: Callable
+    mean_across_ranks: Callable | None = None
+    accumulate: int = 1
+
+
+def reference_parts() -> Parts:
+    """lablib's parts: no wrapper, GlobalBatchSampler batches (it reshuffles by itself), full evaluation."""
+    def make_loader(dataset, batch_size, env, seed):
+        return data.global_batch_loader(dataset, batch_size * env.world_size, env, seed)
+
+    return Parts(wrap_model=lambda model, env: model, make_loader=make_loader,
+                 start_epoch=lambda loader, epoch: None)
+
+
+def new_model(vocab_size: int, config, device) -> GPT:
+    """The lab's GPT from a run config's fields; torch.manual_seed(config.seed) first, so every rank and
+    every variant starts from the same weights."""
+    torch.manual_seed(config.seed)
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=config.block_size, n_layer=config.n_layer,
+                         n_head=config.n_head, n_embd=config.n_embd)).to(device)
+
+
+def evaluation_steps(steps: int, eval_every: int) -> list[int]:
+    """The optimizer steps after which the loss is evaluated: every eval_every-th, and always the last."""
+    return sorted(set(range(eval_every, steps + 1, eval_every)) | {steps})
+
+
+def optimizer_steps(loader, start_epoch: Callable, accumulate: int, steps: int):
+    """Yield ``steps`` lists of ``accumulate`` micro-batches each, starting a new epoch when the loader runs
+    out (``start_epoch(loader, epoch)`` before every pass). Loads nothing beyond the last step."""
+    epoch, pending = 0, []
+    while True:
+        start_epoch(loader, epoch)
+        for batch in loader:
+            pending.append(batch)
+            if len(pending) == accumulate:
+                yield pending
+                pending, steps = [], steps - 1
+                if steps == 0:
+                    return
+        epoch += 1
+
+
+def train_loop(model, optimizer, train_set, val_set, config, env, parts: Parts, on_step: Callable):
+    """Train config.steps optimizer steps of config.batch_size sequences (all ranks together).
+
+    Returns ([(step, validation loss), ...], the model as trained: wrapped by parts.wrap_model).
+    on_step(step, loss) is called after every optimizer step (lablib.benchmark.StepMeter measures there).
+    """
+    model = parts.wrap_model(model, env)
+    K = parts.accumulate
+    micro = config.batch_size // (env.world_size * K)            # sequences per rank per forward
+    loader = parts.make_loader(train_set, micro, env, config.seed)
+    evaluate_at = evaluation_steps(config.steps, config.eval_every)
+    curve = []
+    for step, micro_batches in enumerate(optimizer_steps(loader, parts.start_epoch, K, config.steps), start=1):
+        for k, (x, y) in enumerate(micro_batches):
+            # Inside no_sync() DDP only accumulates into .grad; the last micro-batch's backward all-reduces.
+            with model.no_sync() if k < K - 1 else contextlib.nullcontext():
+                _, loss = model(x.to(env.device), y.to(env.device))     # x, y: (micro, block_size)
+                (loss / K).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        on_step(step, loss)
+        if step in evaluate_at:
+            curve.append((step, evaluate(model, val_set, config.val_batch_size, env, parts.mean_across_ranks)))
+            if env.is_main:
+                print(f"step {step}: val loss {curve[-1][1]:.4f}")
+    return curve, model
+
+
+@torch.no_grad()
+def evaluate(model, val_set, batch_size: int, env, mean_across_ranks: Callable | None = None) -> float:
+    """Mean loss per token over the validation sequences (all of equal length).
+
+    mean_across_ranks None: every rank evaluates every sequence, batch_size per forward (no collective).
+    Otherwise rank r evaluates its contiguous 1/world_size of them (batch_size / world_size per forward)
+    and mean_across_ranks(its mean as a 0-dim tensor, env) combines the ranks' means.
+    """
+    n = len(val_set)
+    if mean_across_ranks is None:
+        indices, per_forward = list(range(n)), batch_size
+    else:
+        share = n // env.world_size
+        indices, per_forward = list(range(env.rank * share, (env.rank + 1) * share)), batch_size // env.world_size
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=env.device)
+    for start in range(0, len(indices), per_forward):
+        items = [val_set[i] for i in indices[start:start + per_forward]]
+        x = torch.stack([it[0] for it in items]).to(env.device)
+        y = torch.stack([it[1] for it in items]).to(env.device)
+        total += model(x, y)[1].double() * len(items)             # the batch's mean loss x its sequences
+    model.train(was_training)
+    mean = (total / len(indices)).float()
+    return mean.item() if mean_across_ranks is None else float(mean_across_ranks(mean, env))
+
+
+def time_accumulation(model, optimizer, train_set, config, env, counters) -> dict:
+    """A few more DDP accumulation steps of config.accum_steps micro-batches, all-reducing after every
+    micro-batch and with no_sync(): gradient all-reduces per step (counted) and the slowest rank's median
+    step time."""
+    K, micro = config.accum_steps, config.batch_size // (env.world_size * config.accum_steps)
+    items = [train_set[i] for i in range(K * micro)]
+    x = torch.stack([it[0] for it in items]).to(env.device).split(micro)
+    y = torch.stack([it[1] for it in items]).to(env.device).split(micro)
+    out = {}
+    for name, skip_sync in (("sync_every", False), ("no_sync", True)):
+        times, calls = [], []
+        for _ in range(4):
+            before = sum(c.calls for c in counters)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for k in range(K):
+                with model.no_sync() if skip_sync and k < K - 1 else contextlib.nullcontext():
+                    (model(x[k], y[k])[1] / K).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - t0)
+            calls.append(sum(c.calls for c in counters) - before)
+        t = torch.tensor([sorted(times[1:])[len(times[1:]) // 2]], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[name] = {"allreduce_calls_per_step": calls[-1], "median_step_time_s": t.item()}
+    return out
+
+
+def save_sharded_checkpoint(model, config, env, val_set) -> dict:
+    """torch.distributed.checkpoint (DCP): every rank writes its own shards under config.ckpt_dir; rank 0
+    also loads the gathered full state dict into a plain fp32 GPT and records its loss on the first
+    validation sequence, for the notebook to compare with a single-process reload."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    path = Path(config.ckpt_dir) / "fsdp_dcp"
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(path))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = {"dcp_path": str(path.resolve())}
+    if env.is_main:
+        plain = new_model(model.config.vocab_size, config, "cpu")
+        plain.load_state_dict(full)
+        x, y = val_set[0]
+        with torch.no_grad():
+            out["plain_model_loss_first_val_block"] = plain(x[None], y[None])[1].item()
+    return out
