@@ -30,7 +30,7 @@ HIDDEN_REGION = re.compile(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS",
 MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 
 
-def _substantial(line: str) -> bool:
+def substantial(line: str) -> bool:
     """A line worth protecting: 25+ non-space characters, not a comment or a docstring quote."""
     line = line.strip()
     return len("".join(line.split())) >= 25 and not line.startswith(("#", '"""', "'''"))
@@ -47,7 +47,7 @@ def protected_lines() -> dict[str, str]:
         for cell in cells:
             for region in SOLUTION_REGION.findall(cell.source) + HIDDEN_REGION.findall(cell.source):
                 for line in region.splitlines():
-                    if _substantial(line) and line.strip() not in visible:
+                    if substantial(line) and line.strip() not in visible:
                         protected.setdefault(line.strip(), lab)
     return protected
 

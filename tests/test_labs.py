@@ -67,12 +67,6 @@ def test_release_has_no_solution_or_hidden_tests(lab):
                     assert line not in released_source, f"labs/{lab} leaks solution/hidden-test text: {line!r}"
 
 
-def _substantial(line: str) -> bool:
-    """A line of answer code worth protecting: 25+ non-space characters, not a comment or a docstring quote."""
-    line = line.strip()
-    return len("".join(line.split())) >= 25 and not line.startswith(("#", '"""', "'''"))
-
-
 @pytest.mark.parametrize("lab", LABS)
 def test_no_solution_line_is_in_lablib(lab):
     """Students install lablib: no line of a graded answer may be importable or readable there."""
@@ -82,7 +76,7 @@ def test_no_solution_line_is_in_lablib(lab):
             library.setdefault(line.strip(), f"{path.relative_to(labkit.REPO)}:{number}")
     found = [f"{library[line.strip()]}: {line.strip()}"
              for cell in labkit.read(lab).cells for region in labkit.SOLUTION_REGION.findall(cell.source)
-             for line in region.splitlines() if _substantial(line) and line.strip() in library]
+             for line in region.splitlines() if labkit.substantial(line) and line.strip() in library]
     assert not found, f"lines of {lab}'s answers stand in lablib/ (redesign, do not reformat):\n" + "\n".join(found)
 
 
