@@ -7,6 +7,7 @@ Read it like a table of contents:
 - ``lablib.processes`` the launcher-rank contract (run folder, logs, errors, timeouts) and process supervision
 - ``lablib.config``    typed, strict option parsing shared by the launcher and the run scripts
 - ``lablib.script``    the skeleton every run script shares (errors, JSON output, clean shutdown)
+- ``lablib.impl``      loading the module file a notebook exercise wrote into a run script
 - ``lablib.data``      Tiny Shakespeare: download/verify/cache, character tokenizer, batches
 - ``lablib.models``    a small GPT (nanoGPT names) and a small MLP; no parallelism inside
 - ``lablib.counting``  counting the collectives a training step really issues
@@ -15,6 +16,8 @@ Read it like a table of contents:
 - ``lablib.scaling``   timing a step's compute and communication apart (lab 03)
 - ``lablib.memory``    bytes held in parameters, gradients, optimizer state and activations (lab 04)
 - ``lablib.checkpointing``  activation checkpointing applied to a plain model from outside
+- ``lablib.training``  lab 05's one training loop for a single process, DDP, accumulation and FSDP2
+- ``lablib.probes``    reading what lab 05's exercise code does on the ranks, for its graded checks
 - ``lablib.benchmark`` one way to measure every variant: tokens/s, memory per rank, collectives (lab 05)
 - ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)
 - ``lablib.checks``    the assertions the notebooks' graded tests use (clear messages, with hints)

@@ -49,3 +49,16 @@ def test_cells_lost_to_a_killed_rank_are_reported_not_graded(tmp_path):
     nbformat.write(nb, path)
     assert course.infrastructure_failures(path) == ["test_ddp"]
     assert course.infrastructure_failures(tmp_path / "missing.ipynb") == []
+
+
+def test_lablib_table_of_contents_lists_every_module():
+    """lablib/__init__.py's docstring is the one table of contents (the README points at it): keep it true."""
+    import re
+    from pathlib import Path
+
+    import lablib
+
+    root = Path(lablib.__file__).parent
+    modules = {p.stem for p in root.glob("*.py") if p.stem != "__init__"} | {"runs"}
+    listed = set(re.findall(r"``lablib\.(\w+)``", lablib.__doc__))
+    assert listed == modules, f"missing from the table: {sorted(modules - listed)}; gone: {sorted(listed - modules)}"
