@@ -113,7 +113,14 @@ class LiveLab:
                     errors[i] = cell_errors(done)
         return errors
 
-    def try_wrong_answer(self, exercise: str, description: str, source: str) -> WrongAnswerResult:
+    def try_wrong_answer(self, exercise: str, description: str, source: str,
+                         stop_at_first_failure: bool = True) -> WrongAnswerResult:
+        """Run ``source`` as the exercise's answer, then its test cells in order; put the answer back.
+
+        A wrong answer only has to lose points, so by default the test cells stop at the first one that
+        fails (``points_lost`` is then a lower bound): most test cells of the multi-rank labs start torchrun.
+        A correct variant runs every cell (it must pass them all).
+        """
         ex_index = exercises(self.nb)[exercise]
         tests = test_cells(self.nb, exercise)
         self.run_cell(ex_index, source.strip("\n"))
@@ -122,6 +129,8 @@ class LiveLab:
             errors = cell_errors(self.run_cell(index))
             if errors:
                 failed[grade_id] = errors[-1][:300]
+                if stop_at_first_failure:
+                    break
         self.run_cell(ex_index)  # put the correct answer back for the next exercise
         return WrongAnswerResult(exercise, description, failed,
                                  sum(tests[g][1] for g in failed), sum(p for _, p in tests.values()))
