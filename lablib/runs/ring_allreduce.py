@@ -44,6 +44,7 @@ import torch.distributed as dist
 from lablib import processes, script
 from lablib.impl import load_module
 from lablib.p2p import CountingComm, direct_calls
+from lablib.rankcheck import gather_objects
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int32": torch.int32, "int64": torch.int64}
@@ -142,12 +143,6 @@ def small_integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
 
 
-def gather_to_rank0(value, world_size: int, group) -> list:
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered
-
-
 def check_sizes(env, config: Config, ring_all_reduce, group) -> list[dict]:
     """Every (world size, dtype, shape) case; rank 0 returns one row per case, the others an empty list."""
     shapes = [(n,) for n in config.sizes] + [parse_shape(s) for s in config.shapes]
@@ -160,7 +155,7 @@ def check_sizes(env, config: Config, ring_all_reduce, group) -> list[dict]:
         for dtype_name in config.dtypes:
             for i, shape in enumerate(shapes):
                 mine = check_one(env, config, ring_all_reduce, comm, sub, shape, dtype_name, i) if member else None
-                per_rank = [r for r in gather_to_rank0(mine, env.world_size, group) if r is not None]
+                per_rank = [r for r in gather_objects(mine, env, group=group) if r is not None]
                 if env.is_main:
                     results.append(summarise(per_rank, world_size, shape, dtype_name))
     return results
