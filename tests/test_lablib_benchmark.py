@@ -168,5 +168,5 @@ def test_exercises_are_graded_against_lablib_references_not_each_other():
     for exercise in ("apply_fsdp", "accelerate_loop"):
         for grade_id, (index, _) in labkit.test_cells(nb, exercise).items():
             source = nb.cells[index].source
-            for name in ("ddp[", "ddp_accum", "ddp_run", "probe"):
+            for name in ("ddp[", "ddp_accum", "ddp_run", "loader_probe", "mean_probe"):
                 assert name not in source, f"{grade_id} depends on exercise 1's results ({name})"
