@@ -3,6 +3,8 @@ lab 05 run script gpt_migration."""
 
 from __future__ import annotations
 
+import os
+
 import textwrap
 
 import pytest
@@ -74,7 +76,10 @@ def test_step_meter_in_one_process(capsys):
     assert memory["during_step"] >= 4 * P                          # at least the gradients are allocated in a step
     assert memory["upper_bound"] == memory["at_rest"] + memory["during_step"]
     assert memory["end_of_forward"] == memory["at_rest"] + memory["activations"]
-    assert 0 < out["cpu_share_per_rank"][0] <= 1.5 and len(out["median_step_time_s_per_rank"]) == 1
+    # CPU time / wall time of a step: positive, and at most every core busy (a process may run several threads;
+    # short intervals and the clocks' granularity give some slack).
+    assert 0 < out["cpu_share_per_rank"][0] <= 1.5 * (os.cpu_count() or 1)
+    assert len(out["median_step_time_s_per_rank"]) == 1
     assert out["collectives_per_step"] == {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     assert out["tokens_per_s"] > 0 and len(out["train_losses"]) == 8
     assert out["timed_steps"] >= 3
