@@ -123,6 +123,13 @@ class Failure:
     signal: str | None = None      # e.g. "SIGABRT": the rank died from outside Python, not by an exception
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _tail(text: str, n: int = 30) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
 
@@ -149,10 +156,10 @@ def first_failure(folder: Path) -> Failure:
         return Failure(rank, text)
     log = folder / TORCHRUN_LOG
     for rank, code in rank_exit_codes(log.read_text(errors="replace") if log.exists() else ""):
-        if code < 0 and signal.Signals(-code) not in SIGNALS_WE_SEND:
+        if code < 0 and -code not in SIGNALS_WE_SEND:
             rank_log_path = rank_log(folder, rank)
             tail = _tail(rank_log_path.read_text(errors="replace")) if rank_log_path.exists() else ""
-            return Failure(rank, tail, signal.Signals(-code).name)
+            return Failure(rank, tail, _signal_name(-code))
     logs = [f"--- {p.stem} log (last lines) ---\n{_tail(p.read_text(errors='replace'))}"
             for p in sorted(folder.glob("*.log")) if p.name != TORCHRUN_LOG and p.read_text(errors="replace").strip()]
     return Failure(None, "\n".join(logs))
