@@ -149,8 +149,8 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
     try:
         yield env
         if dist.is_initialized():
-            # Every rank finishes its last collective before any rank tears the group down; without this,
-            # gloo can abort a rank that is still sending ("terminate called without an active exception").
+            # Every rank finishes its last collective before any rank tears the group down (a rank that
+            # left early would break a peer's last send).
             dist.barrier()
     finally:
         if dist.is_initialized():
