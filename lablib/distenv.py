@@ -70,14 +70,7 @@ def select_backend_and_device(local_rank: int, local_world_size: int) -> tuple[s
 
 
 def _int_env(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer; "
-                         f"it is set by torchrun, do not set it by hand") from None
+    return processes.number_from_env(name, default, int, "; it is set by torchrun, do not set it by hand")
 
 
 def from_env() -> DistEnv:

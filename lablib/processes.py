@@ -46,15 +46,22 @@ def rank_timeout_s(run_timeout_s: float) -> float:
     return max(1.0, 0.9 * run_timeout_s)
 
 
-def rank_timeout_from_env() -> float:
-    """The timeout this rank was given by its launcher (read when called, not at import)."""
-    value = os.environ.get(PG_TIMEOUT_ENV)
+def number_from_env(name: str, default, kind=float, hint: str = ""):
+    """Environment variable ``name`` as ``kind`` (int or float), ``default`` when unset, a clear error when
+    it is not a number. The one reader of numeric variables (torchrun's and the launcher's)."""
+    value = os.environ.get(name)
     if value is None:
-        return DEFAULT_RANK_TIMEOUT_S
+        return default
     try:
-        return float(value)
+        return kind(value)
     except ValueError:
-        raise ValueError(f"{PG_TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"environment variable {name}={value!r} is not {what}{hint}") from None
+
+
+def rank_timeout_from_env() -> float:
+    """The timeout this rank was given by its launcher, in seconds (read when called, not at import)."""
+    return number_from_env(PG_TIMEOUT_ENV, DEFAULT_RANK_TIMEOUT_S)
 
 
 # --- the rank's side -----------------------------------------------------------------------------------
