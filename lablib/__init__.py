@@ -3,22 +3,26 @@
 Read it like a table of contents:
 
 - ``lablib.distenv``   the process environment: one frozen ``DistEnv`` built from torchrun's variables
-- ``lablib.launch``    ``run(step, nproc=...)``: start a ``lablib.runs.<step>`` script under torchrun
+- ``lablib.launch``    ``run(step, options, nproc=...)``: a ``lablib.runs.<step>`` under torchrun, its result;
+                       ``run_script(path, nproc=...)``: any script, with each rank's output and stacks
 - ``lablib.processes`` the launcher-rank contract (run folder, logs, errors, timeouts) and process supervision
 - ``lablib.config``    typed, strict option parsing shared by the launcher and the run scripts
 - ``lablib.script``    the skeleton every run script shares (errors, JSON output, clean shutdown)
-- ``lablib.impl``      loading the module file a notebook exercise wrote into a run script
+- ``lablib.exercise``  loading the module file a notebook exercise wrote into a run script
 - ``lablib.data``      Tiny Shakespeare: download/verify/cache, character tokenizer, batches
 - ``lablib.models``    a small GPT (nanoGPT names) and a small MLP; no parallelism inside
-- ``lablib.counting``  counting the collectives a training step really issues
+- ``lablib.counting``  the one layer that counts collectives (name, bytes, bus bytes, group) where the course
+                       calls them, DDP's buckets included
+- ``lablib.timing``    the one definition of a step's time across ranks (slowest rank per step, median)
 - ``lablib.p2p``       point-to-point sends and receives that count their bytes (lab 02)
 - ``lablib.commcost``  the alpha-beta cost model, its fit, interconnects and model sizes (lab 02)
-- ``lablib.scaling``   timing a step's compute and communication apart (lab 03)
-- ``lablib.memory``    bytes held in parameters, gradients, optimizer state and activations (lab 04)
-- ``lablib.checkpointing``  activation checkpointing applied to a plain model from outside
+- ``lablib.scaling``   lab 03's strong-scaling formulas, the explicit all-reduce and DDP's bucket timer
+- ``lablib.memory``    bytes held in parameters, gradients, optimizer state; the one saved-activation counter
+- ``lablib.activation_checkpointing``  activation checkpointing applied to a plain model from outside
 - ``lablib.training``  lab 05's one training loop for a single process, DDP, accumulation and FSDP2
 - ``lablib.probes``    reading what lab 05's exercise code does on the ranks, for its graded checks
-- ``lablib.benchmark`` one way to measure every variant: tokens/s, memory per rank, collectives (lab 05)
+- ``lablib.benchmark`` ``StepMeter``: one way to measure every variant's step (time, memory, collectives) from
+                       the modules above (lab 05)
 - ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)
 - ``lablib.checks``    the assertions the notebooks' graded tests use (clear messages, with hints)
 - ``lablib.plots``     the course's matplotlib conventions

@@ -5,13 +5,14 @@ loop itself carries no measuring code and a DDP loop, an FSDP2 loop and an Accel
 identically. Between two calls lies exactly one training step (forward, backward, optimizer step,
 ``zero_grad``), and the meter opens its measuring windows on those boundaries:
 
-- **step time**: the median interval between calls, leaving out warm-up, evaluation and measured steps;
-  tokens/s = tokens of the global batch / the slowest rank's median step time;
+- **step time** (``lablib.timing``'s definition): the interval between calls on each rank, leaving out
+  warm-up, evaluation and measured steps; per step the slowest rank's; their median is ``median_step_s``;
+  tokens/s = tokens of the global batch / that median;
 - **memory per rank** (one step, ``profile_step``), counted the same way on every device, never
   estimated: the model states from their storages (parameters and AdamW state between steps, the gradients
   when ``optimizer.step`` is called, DDP's persistent gradient buckets from its communication hook; FSDP2's
   DTensors by their local shards) and the activations autograd saves for the backward (every storage that
-  passes through a ``saved_tensors_hooks`` pack hook during the step, parameters excluded). Two sums are
+  ``memory.SavedActivations`` sees during the step, parameters excluded). Two sums are
   reported, named for what they are: ``end_of_forward`` = at rest + saved activations (``zero_grad`` sets
   the gradients to None, so none exist yet), and ``upper_bound`` = at rest + gradients + activations (the
   backward frees activations as it creates gradients, so the true peak lies between the larger of the two
@@ -20,123 +21,38 @@ identically. Between two calls lies exactly one training step (forward, backward
   ``torch.cuda.max_memory_allocated`` (the allocator's real peak) is recorded next to them;
 - **CPU share**: the process's CPU time per step over its wall time (1.0: one core busy all the time;
   below 1 on one thread: the rank waited, for a collective or for a core another process held);
-- **collectives per step** (one step, ``count_step``): FSDP2's all-gathers and reduce-scatters pass through
-  ``torch.distributed`` and are counted by wrapping its functions for one step; DDP's gradient
-  all-reduces are issued by its C++ reducer and are counted by a communication hook on every DDP model
-  built inside ``count_ddp_models()`` (also the one Accelerate builds in ``prepare``).
+- **collectives per step** (one step, ``count_step``), by ``lablib.counting``: FSDP2's all-gathers and
+  reduce-scatters through ``count_collectives``, DDP's bucket all-reduces through the hook that
+  ``counting.count_ddp_models()`` puts on every DDP model built inside it (also the one Accelerate builds in
+  ``prepare``): pass that log as ``ddp_log``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from lablib import script
-from lablib.counting import CommCounter, count_ddp_allreduces
-from lablib.memory import local_tensor, model_state_bytes, unique_storage_bytes
+from lablib import script, timing
+from lablib.counting import CollectiveLog, count_collectives
+from lablib.memory import SavedActivations, model_state_bytes, unique_storage_bytes
 
-# torch.distributed's collectives -> the names the course uses (FSDP2 calls the *_single ones in torch 2.13).
-COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-               "all_gather": "all_gather", "reduce_scatter_single": "reduce_scatter",
-               "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter"}
-
-
-@contextlib.contextmanager
-def count_ddp_models():
-    """Attach lablib.counting's all-reduce counter to every DDP model constructed inside the block.
-
-    Yields the list the counters are appended to (one per model, in construction order).
-    """
-    counters: list[CommCounter] = []
-    original = DistributedDataParallel.__init__
-
-    def counting_init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        counters.append(count_ddp_allreduces(self))
-
-    DistributedDataParallel.__init__ = counting_init
-    try:
-        yield counters
-    finally:
-        DistributedDataParallel.__init__ = original
-
-
-class _CollectiveCounter:
-    """Counts calls of torch.distributed's collectives while open, by wrapping the module's functions (FSDP2
-    and DDP's Python communication hooks call them through ``torch.distributed``). Only the outermost call
-    counts, so a collective implemented with another is counted once."""
-
-    def __init__(self):
-        self.counts = Counter()
-        self.originals = {}
-        self.depth = 0
-
-    def _wrap(self, name, fn):
-        def counting(*args, **kwargs):
-            if self.depth == 0:
-                self.counts[COLLECTIVES[name]] += 1
-            self.depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
-        return counting
-
-    def __enter__(self):
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                self.originals[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, self.originals[name]))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.originals.items():
-            setattr(dist, name, fn)
-        return False
-
-
-class _SavedActivations:
-    """Storages autograd saves for backward while open (each once; parameters, sharded or gathered, excluded)."""
-
-    def __init__(self):
-        self.seen: dict[tuple, int] = {}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not (t.is_leaf and t.requires_grad):  # a parameter is not an activation
-            local = local_tensor(t)
-            s = local.untyped_storage()
-            self.seen.setdefault((str(local.device), s.data_ptr(), s.nbytes()), s.nbytes())
-        return t
-
-    def __enter__(self):
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-        return False
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.seen.values())
+# The step after which memory is measured, and the one after which collectives are counted (both after
+# DDP's first-step bucket rebuild and FSDP2's lazy initialisation).
+PROFILE_STEP, COUNT_STEP = 3, 4
 
 
 class StepMeter:
     """``on_step(step, loss)`` after each optimizer step; ``summary(env)`` at the end (all ranks call it)."""
 
     def __init__(self, env, model, optimizer, tokens_per_step: int, total_steps: int, eval_every: int,
-                 profile_step: int = 3, count_step: int = 4, ddp_counters: list[CommCounter] | None = None):
+                 ddp_log: CollectiveLog | None = None):
         self.env, self.model, self.optimizer = env, model, optimizer
         self.tokens_per_step, self.total_steps, self.eval_every = tokens_per_step, total_steps, eval_every
-        self.profile_step, self.count_step = profile_step, count_step
-        self.ddp_counters = ddp_counters if ddp_counters is not None else []
+        self.profile_step, self.count_step = PROFILE_STEP, COUNT_STEP
+        self.ddp_log = ddp_log if ddp_log is not None else CollectiveLog()
         self.intervals: dict[int, float] = {}
         self.cpu_intervals: dict[int, float] = {}
         self.losses: list[float] = []
@@ -144,7 +60,7 @@ class StepMeter:
         self.collectives: dict = {}
         self._t = self._cpu = None
         self._window = None
-        self._ddp_calls = self._ddp_bytes = 0      # cumulative totals of the DDP counters at the last call
+        self._ddp_calls = self._ddp_bytes = 0      # cumulative totals of the DDP log at the last call
         self._ddp_step_bytes = 0                   # bytes all-reduced in the last step = DDP's bucket bytes
 
     # -- measuring windows, opened after step k and closed after step k + 1 -----------------------------
@@ -163,11 +79,12 @@ class StepMeter:
             if self.env.device.type == "cuda":
                 torch.cuda.synchronize(self.env.device)
                 torch.cuda.reset_peak_memory_stats(self.env.device)
-            self._window = ("memory", (_SavedActivations().__enter__(), handle, grads_seen))
+            activations = SavedActivations(parameters_of=self.model)
+            activations.__enter__()
+            self._window = ("memory", (activations, handle, grads_seen))
         elif step == self.count_step:
-            mode = _CollectiveCounter()
-            mode.__enter__()
-            self._window = ("comm", mode)
+            block = count_collectives()
+            self._window = ("comm", (block, block.__enter__()))
 
     def _close(self) -> None:
         kind, obj = self._window
@@ -187,17 +104,17 @@ class StepMeter:
                 torch.cuda.synchronize(self.env.device)
                 m["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.env.device)
         else:
-            obj.__exit__(None, None, None)
-            counts = obj.counts
-            if self.ddp_counters:  # the hook sees exactly DDP's gradient all-reduces (its Python call of
-                # dist.all_reduce is seen by the wrapper too: count it once)
-                counts["all_reduce"] = sum(c.calls for c in self.ddp_counters) - self._ddp_calls
+            block, log = obj
+            block.__exit__(None, None, None)
+            counts = log.counts()
+            # DDP's bucket all-reduces are in the DDP log (its hook's own dist.all_reduce is not recorded twice).
+            counts["all_reduce"] = counts.get("all_reduce", 0) + self.ddp_log.count() - self._ddp_calls
             self.collectives = {k: counts.get(k, 0) for k in ("all_reduce", "all_gather", "reduce_scatter")}
 
     def __call__(self, step: int, loss: torch.Tensor) -> None:
         if self._window is not None:
             self._close()
-        calls, nbytes = sum(c.calls for c in self.ddp_counters), sum(c.bytes for c in self.ddp_counters)
+        calls, nbytes = self.ddp_log.count(), self.ddp_log.bytes()
         self._ddp_step_bytes = nbytes - self._ddp_bytes
         self._ddp_calls, self._ddp_bytes = calls, nbytes
         now, cpu = time.perf_counter(), time.process_time()
@@ -212,21 +129,24 @@ class StepMeter:
         self._t, self._cpu = time.perf_counter(), time.process_time()
 
     def summary(self) -> dict:
-        """Every rank must call this (it all-reduces the step time: the slowest rank sets the pace)."""
+        """Every rank must call this (a collective: the slowest rank sets the pace, ``lablib.timing``)."""
         if self._window is not None:
             self._close()
-        median = statistics.median(self.intervals.values()) if self.intervals else float("nan")
-        cpu_share = (statistics.median(self.cpu_intervals[k] / self.intervals[k] for k in self.intervals)
-                     if self.intervals else float("nan"))
-        per_rank = torch.tensor([median, cpu_share], dtype=torch.float64)
+        steps = sorted(self.intervals)
+        if not steps:
+            raise ValueError(f"no step was timed in {self.total_steps} steps: train more steps than the warm-up, "
+                             f"the measured steps ({self.profile_step}, {self.count_step}) and the evaluations")
+        times = timing.step_times([self.intervals[k] for k in steps], self.env.device)
+        own_median = statistics.median(self.intervals[k] for k in steps)
+        cpu_share = statistics.median(self.cpu_intervals[k] / self.intervals[k] for k in steps)
+        per_rank = torch.tensor([own_median, cpu_share], dtype=torch.float64)
         if dist.is_initialized():
             gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, per_rank)
         else:
             gathered = [per_rank]
-        slowest = max(float(g[0]) for g in gathered)              # the slowest rank sets the pace
-        return {"median_step_time_s": slowest, "tokens_per_s": self.tokens_per_step / slowest,
-                "median_step_time_s_per_rank": [float(g[0]) for g in gathered],
+        return {**times, "tokens_per_s": self.tokens_per_step / times["median_step_s"],
+                "median_step_s_per_rank": [float(g[0]) for g in gathered],
                 "cpu_share_per_rank": [float(g[1]) for g in gathered],
                 "train_losses": self.losses, "memory": self.memory, "collectives_per_step": self.collectives,
-                "timed_steps": len(self.intervals)}
+                "timed_steps": len(steps)}

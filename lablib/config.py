@@ -18,6 +18,14 @@ class ConfigError(ValueError):
     """An option that does not exist or has the wrong type."""
 
 
+def require_at_least_one(config, *names: str) -> None:
+    """A Config's ``validate`` calls this for its counts (steps, sizes, ...): each named option must be >= 1."""
+    for name in names:
+        value = getattr(config, name)
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+
+
 def _fields(cls) -> dict[str, type]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

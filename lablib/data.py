@@ -183,3 +183,13 @@ def shakespeare_datasets(block_size: int, val_blocks: int | None = None):
     if val_blocks is not None:
         val_tokens = val_tokens[: val_blocks * block_size + 1]
     return tokenizer, BlockDataset(train_tokens, block_size), BlockDataset(val_tokens, block_size)
+
+
+def regression_task(n: int, d_in: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The course's synthetic regression task (labs 01 and 03): x ~ N(0, 1) of shape (n, d_in) and the smooth
+    target y = sin(sum of x's first 8 features), shape (n, 1), which a small MLP learns in a few steps.
+    The generator decides the samples, so every rank builds the same ones."""
+    if d_in < 8:
+        raise ValueError(f"d_in={d_in} must be at least 8 (the target reads the first 8 features)")
+    x = torch.randn(n, d_in, generator=generator)
+    return x, torch.sin(x[:, :8].sum(dim=1, keepdim=True))

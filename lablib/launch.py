@@ -1,6 +1,12 @@
 """Start a ``lablib.runs.<step>`` script under torchrun from a notebook or a test, and get its JSON back.
 
-    result = launch.run("grad_accum", nproc=2, accum_steps=4, timeout_s=120)
+    result = launch.run("grad_accum", {"accum_steps": 4}, nproc=2, timeout_s=120)
+    result.metrics.no_sync.median_step_s          # the same as result["metrics"]["no_sync"]["median_step_s"]
+
+The step's own options (checked against its Config) go in one mapping; the launcher's options are keywords.
+The two never share a namespace, so a step option can never be taken by the launcher by accident.
+``run_script(path, nproc=...)`` runs any script file (one a notebook wrote) under the same supervision and
+reports how it ended instead of raising: the tool for studying a script that fails or hangs.
 
 What it guarantees, because a notebook must never hang or leak processes:
 - the options are checked against the step's Config before anything starts;
@@ -15,12 +21,12 @@ What it guarantees, because a notebook must never hang or leak processes:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +34,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from lablib import config as cfg
@@ -108,31 +116,102 @@ def _hint(details: str) -> str:
     return ""
 
 
-LAUNCHER_OPTIONS = ("nproc", "timeout_s", "threads_per_rank", "port", "quiet", "show_progress")
+class RunResult(Mapping):
+    """Rank 0's JSON result, read-only, by key or by attribute: ``r.metrics.ddp`` is ``r["metrics"]["ddp"]``.
+
+    JSON can only have string keys; keys that are decimal integers (world sizes, ranks, steps) come back as
+    ints, so ``r.metrics.runs[2]`` works. Nested objects are RunResults, lists stay lists. ``output`` is what
+    rank 0 printed.
+    """
+
+    def __init__(self, data: Mapping, output: str = ""):
+        self._data = {_key(k): _wrap(v) for k, v in data.items()}
+        self.output = output
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._data[name]
+        except KeyError:
+            raise AttributeError(f"this result has no {name!r}; it has {sorted(map(str, self._data))}") from None
+
+    def __repr__(self) -> str:
+        return f"RunResult({self.to_dict()!r})"
+
+    def to_dict(self) -> dict:
+        """Plain nested dicts and lists (e.g. to save with json)."""
+        return {k: _unwrap(v) for k, v in self._data.items()}
 
 
-def check_step_options(module) -> None:
-    """A step's Config may not name an option the launcher takes itself: it would never reach the step."""
-    clash = sorted(set(f.name for f in dataclasses.fields(module.Config)) & set(LAUNCHER_OPTIONS))
-    if clash:
-        raise TypeError(f"{module.__name__}.Config has option(s) {clash} with the same name as launch.run's "
-                        f"own {LAUNCHER_OPTIONS}; rename them in the Config (e.g. step_{clash[0]})")
+def _key(k):
+    return int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k
 
 
-def run(step: str, nproc: int = 2, *, timeout_s: float = 300.0, threads_per_rank: int | None = None,
-        port: int | None = None, quiet: bool = False, show_progress: bool = True, **options) -> dict:
+def _wrap(v):
+    if isinstance(v, Mapping):
+        return RunResult(v)
+    if isinstance(v, list):
+        return [_wrap(x) for x in v]
+    return v
+
+
+def _unwrap(v):
+    if isinstance(v, RunResult):
+        return v.to_dict()
+    if isinstance(v, list):
+        return [_unwrap(x) for x in v]
+    return v
+
+
+def _rank_environment(run_id: str, run_dir: Path, timeout_s: float, threads: int, extra: Mapping | None) -> dict:
+    """The ranks' environment: the caller's, the launcher-rank contract, and the caller's extra variables."""
+    env = {**os.environ, RUN_MARKER: run_id, processes.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1",
+           processes.PG_TIMEOUT_ENV: f"{processes.rank_timeout_s(timeout_s):g}",
+           "OMP_NUM_THREADS": str(threads), "TORCHELASTIC_ERROR_FILE": str(run_dir / "elastic_error.json")}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    for name, value in (extra or {}).items():
+        if not isinstance(name, str) or not isinstance(value, (str, int, float)):
+            raise TypeError(f"env must map variable names to strings or numbers, got {name!r}: {value!r}")
+        env[name] = str(value)
+    return env
+
+
+def _check_launcher_options(nproc, timeout_s) -> None:
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc must be a positive integer number of ranks, got {nproc!r}")
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+
+def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s: float = 300.0,
+        threads_per_rank: int | None = None, port: int | None = None, quiet: bool = False,
+        show_progress: bool = True, env: Mapping | None = None, **unexpected) -> RunResult:
     """Run ``lablib.runs.<step>`` on nproc ranks under torchrun and return rank 0's JSON result.
 
-    Keyword arguments other than the launcher's own (``LAUNCHER_OPTIONS``) are the step's options, checked
-    against its Config. The ranks' collectives time out a little before ``timeout_s`` (one clock for both).
+    options: the step's own options (a mapping checked against its Config; tuples for sequences).
+    env: extra environment variables for every rank (e.g. ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``).
+    The ranks' collectives time out a little before ``timeout_s`` (one clock for both).
     """
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a positive integer number of ranks, got {nproc!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if unexpected:
+        raise TypeError(f"launch.run got unknown keyword(s) {sorted(unexpected)}: a step's options go in one "
+                        f"mapping, e.g. launch.run({step!r}, {{{', '.join(f'{k!r}: ...' for k in unexpected)}}}, "
+                        f"nproc={nproc!r}); the keywords are the launcher's own (nproc, timeout_s, "
+                        f"threads_per_rank, port, quiet, show_progress, env)")
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"options must be a mapping of the step's options (a dict), got {type(options).__name__}")
+    _check_launcher_options(nproc, timeout_s)
     module = load_step(step)
-    check_step_options(module)
-    config = cfg.from_options(module.Config, options)
+    config = cfg.from_options(module.Config, dict(options or {}))
     if hasattr(config, "validate_world"):
         config.validate_world(nproc)
     if port is not None and not port_is_free(port):
@@ -148,10 +227,7 @@ def run(step: str, nproc: int = 2, *, timeout_s: float = 300.0, threads_per_rank
                    f"--rdzv-id={run_id}"])
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
            "--max-restarts=0", "-m", f"lablib.runs.{step}", "--out", str(out), *cfg.to_argv(config)]
-    env = {**os.environ, RUN_MARKER: run_id, processes.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1",
-           processes.PG_TIMEOUT_ENV: f"{processes.rank_timeout_s(timeout_s):g}",
-           "OMP_NUM_THREADS": str(threads), "TORCHELASTIC_ERROR_FILE": str(run_dir / "elastic_error.json")}
-    env.pop("TORCHELASTIC_RUN_ID", None)
+    rank_env = _rank_environment(run_id, run_dir, timeout_s, threads, env)
 
     lines: queue.Queue = queue.Queue()
     output: list[str] = []
@@ -163,7 +239,7 @@ def run(step: str, nproc: int = 2, *, timeout_s: float = 300.0, threads_per_rank
         # stdout live, and on failure the failing rank's traceback, not three screens of launcher noise.
         with open(run_dir / processes.TORCHRUN_LOG, "w") as torchrun_log:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=torchrun_log, stdin=subprocess.DEVNULL,
-                                    text=True, bufsize=1, env=env, start_new_session=True)
+                                    text=True, bufsize=1, env=rank_env, start_new_session=True)
         threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
         while True:
             if time.monotonic() > deadline:
@@ -192,9 +268,7 @@ def run(step: str, nproc: int = 2, *, timeout_s: float = 300.0, threads_per_rank
             raise _failure(step, nproc, rc, run_dir, output)
         if not out.exists():
             raise RunError(f"step {step!r} finished but wrote no result JSON", None, _tail("".join(output)))
-        result = json.loads(out.read_text())
-        result["output"] = "".join(output)
-        return result
+        return RunResult(json.loads(out.read_text()), "".join(output))
     except KeyboardInterrupt:
         if proc is not None:
             kill_run(proc, run_id)
@@ -205,6 +279,121 @@ def run(step: str, nproc: int = 2, *, timeout_s: float = 300.0, threads_per_rank
         if proc is not None and (proc.poll() is None or processes.run_processes(proc, run_id)):
             kill_run(proc, run_id)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """How a script run by ``run_script`` ended. Nothing is raised for a script that fails or hangs.
+
+    returncode   torchrun's exit code (0: every rank finished), None when the run was stopped by its timeout
+    timed_out    the run passed ``timeout_s`` and was stopped
+    output       rank 0's stdout and stderr
+    rank_output  every rank's stdout and stderr, by rank
+    stacks       on a timeout, the Python stack of every thread of each rank still running, dumped by
+                 faulthandler just before the run was stopped (which line each rank was stuck on)
+    elapsed_s    wall-clock seconds
+    """
+
+    returncode: int | None
+    timed_out: bool
+    output: str
+    rank_output: dict
+    stacks: dict
+    elapsed_s: float
+
+
+STACK_DUMP_MARKER = "Fatal Python error: Aborted"
+
+
+def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: float = 60.0,
+               env: Mapping | None = None, quiet: bool = False) -> ScriptRun:
+    """Run a Python script file on nproc ranks under torchrun (``--standalone``) and report how it ended.
+
+    The script is any torchrun script (one a notebook cell wrote, say): it reads RANK, WORLD_SIZE, ... and
+    sets up its own process group. Each rank's output is kept apart (``rank_output``). On a timeout every
+    rank still running first dumps its Python stacks (the launcher sends it SIGABRT with faulthandler
+    enabled), then the whole run is stopped, torchrun's session included. The ranks see the caller's
+    environment plus ``env``; LABLIB_PG_TIMEOUT_S tells a script that wants it a collective timeout a
+    little shorter than the run's.
+    """
+    script_path = Path(path).expanduser().resolve()
+    if not script_path.is_file():
+        raise FileNotFoundError(f"script {path} does not exist (looked for {script_path}); run the cell that "
+                                f"writes it (%%writefile {Path(path).name}) first")
+    _check_launcher_options(nproc, timeout_s)
+    args = [str(a) for a in args]
+    run_id = uuid.uuid4().hex
+    run_dir = Path(tempfile.mkdtemp(prefix=f"lablib-script-{script_path.stem}-"))
+    rank_env = _rank_environment(run_id, run_dir, timeout_s, default_threads_per_rank(nproc),
+                                 {"PYTHONFAULTHANDLER": "1", **(env or {})})
+    rank_env.pop(processes.RUN_DIR_ENV)   # the script keeps its own stdout and stderr (torchrun files them)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", f"--log-dir={run_dir / 'logs'}", "--redirects=3", str(script_path), *args]
+    proc, timed_out, t0 = None, False, time.monotonic()
+    try:
+        with open(run_dir / processes.TORCHRUN_LOG, "w") as torchrun_log:
+            proc = subprocess.Popen(cmd, stdout=torchrun_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=rank_env, start_new_session=True, cwd=script_path.parent)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out, returncode = True, None
+            _dump_stacks(proc, run_id)
+            kill_run(proc, run_id)
+        elapsed = time.monotonic() - t0
+        rank_output = _rank_logs(run_dir / "logs")
+        stacks = {}
+        if timed_out:
+            for rank, text in rank_output.items():
+                if STACK_DUMP_MARKER in text:
+                    stacks[rank] = text[text.index(STACK_DUMP_MARKER):]
+                    rank_output[rank] = text[:text.index(STACK_DUMP_MARKER)]
+        result = ScriptRun(returncode, timed_out, rank_output.get(0, ""), rank_output, stacks, elapsed)
+        if not quiet:
+            how = (f"stopped after its timeout of {timeout_s:g} s" if timed_out else
+                   "finished" if returncode == 0 else f"failed (torchrun exit code {returncode})")
+            print(f"{script_path.name} on {nproc} ranks {how} in {elapsed:.1f} s")
+        return result
+    except KeyboardInterrupt:
+        if proc is not None:
+            kill_run(proc, run_id)
+        raise
+    finally:
+        if proc is not None and (proc.poll() is None or processes.run_processes(proc, run_id)):
+            kill_run(proc, run_id)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _dump_stacks(proc: subprocess.Popen, run_id: str, wait_s: float = 3.0) -> None:
+    """SIGABRT to every rank of the run (faulthandler, enabled by PYTHONFAULTHANDLER, prints each thread's
+    Python stack to the rank's stderr), then a short wait for the dumps to be written."""
+    workers = [p for p in processes.run_processes(proc, run_id) if p.pid != proc.pid and _is_rank(p)]
+    for p in workers:
+        try:
+            p.send_signal(signal.SIGABRT)
+        except Exception:  # noqa: BLE001 - it may have ended meanwhile
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(p.is_running() and p.status() != "zombie" for p in workers):
+        time.sleep(0.05)
+
+
+def _is_rank(p) -> bool:
+    try:
+        return "LOCAL_RANK" in p.environ()
+    except Exception:  # noqa: BLE001 - gone, or not ours to read
+        return False
+
+
+def _rank_logs(log_dir: Path) -> dict:
+    """torchrun's --log-dir with --redirects: <run id>/attempt_<k>/<local rank>/{stdout,stderr}.log."""
+    out: dict[int, str] = {}
+    for folder in sorted(log_dir.glob("*/attempt_*/*")):
+        if folder.is_dir() and folder.name.isdigit():
+            parts = [(folder / name).read_text(errors="replace") for name in ("stdout.log", "stderr.log")
+                     if (folder / name).exists()]
+            out[int(folder.name)] = "".join(parts)
+    return out
 
 
 def _failure(step: str, nproc: int, rc: int, run_dir: Path, output: list[str]) -> RunError:

@@ -7,7 +7,7 @@ Three kinds of memory, each measured, never estimated:
   buckets, FSDP2's sharded parameters as views of a padded shard), so each storage is counted once, with
   its full size (padding included). A ``DTensor`` is counted by its local shard (``to_local()``): the
   bytes this rank holds, not the global tensor it describes;
-- **activations**: the tensors autograd saves for the backward pass (``saved_activation_bytes``), seen
+- **activations**: the tensors autograd saves for the backward pass (``SavedActivations``), seen
   through ``torch.autograd.graph.saved_tensors_hooks`` (https://pytorch.org/docs/stable/autograd.html#hooks-for-saved-tensors);
 - the **recipes** of bytes per parameter the ZeRO paper (Rajbhandari et al., 2020, arXiv:1910.02054)
   reasons with, and the GPU cards the notebook fits them on.
@@ -54,7 +54,6 @@ class PrecisionRecipe:
 
 MIXED_ADAM = PrecisionRecipe("bf16/fp16 mixed precision + Adam", 2, 2, 4, 8)   # 16 bytes (ZeRO paper, K = 12)
 FP32_ADAM = PrecisionRecipe("fp32 + Adam", 4, 4, 0, 8)                        # 16 bytes, the course's CPU runs
-RECIPES = {"mixed": MIXED_ADAM, "fp32": FP32_ADAM}
 
 
 # --- counting storages ------------------------------------------------------------------------------
@@ -122,33 +121,69 @@ def model_state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Opt
 
 # --- activations ------------------------------------------------------------------------------------
 
-@dataclass
 class SavedActivations:
-    bytes: int                       # unique storages saved for backward, parameters excluded
-    tensors: list[tuple]             # (shape, dtype, storage bytes) of each storage, in save order
-    n_saved: int                     # how many tensors autograd saved (views included)
+    """Count the storages autograd saves for backward while the block is open: the course's one counter of
+    activation memory (lab 04's measurements, and every training step ``lablib.benchmark`` measures).
+
+        with SavedActivations(exclude=model.parameters()) as saved:
+            loss = model(x, y)[1]
+        saved.bytes, saved.tensors, saved.n_saved
+
+    Every tensor an op saves passes through a ``saved_tensors_hooks`` pack hook. Many are views of one
+    storage (q, k, v of one qkv projection; a Linear's input reshaped to 2-D; its weight transposed), so
+    storages, not tensors, are what is held: each is counted once, by its full size (DTensors by their local
+    shard). Not activations, so never counted: the storages of ``exclude`` (e.g. the parameters and
+    buffers), and with ``parameters_of=model`` the storages of the model's parameters and buffers *at the
+    moment they are saved* (FSDP2 all-gathers a unit's parameters into new storages for each forward, so a
+    list taken before the step would miss them).
+
+    bytes     unique storages saved for backward, in bytes
+    tensors   (shape, dtype, storage bytes) of each counted storage, in save order
+    n_saved   how many tensors autograd saved (views and excluded ones included)
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), parameters_of: torch.nn.Module | None = None):
+        self._excluded = {_storage_key(local_tensor(t)) for t in exclude}
+        self._module = parameters_of
+        self._seen: dict[tuple, tuple] = {}
+        self.n_saved = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _model_state_keys(self) -> set:
+        if self._module is None:
+            return set()
+        held = list(self._module.parameters()) + list(self._module.buffers())
+        return {_storage_key(local_tensor(t)) for t in held}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.n_saved += 1
+        local = local_tensor(t)
+        key = _storage_key(local)
+        if key not in self._excluded and key not in self._seen and key not in self._model_state_keys():
+            self._seen[key] = (tuple(local.shape), str(local.dtype).replace("torch.", ""), key[2])
+        return t
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._hooks.__exit__(*exc)
+        return False
+
+    @property
+    def bytes(self) -> int:
+        return sum(v[2] for v in self._seen.values())
+
+    @property
+    def tensors(self) -> list[tuple]:
+        return list(self._seen.values())
 
 
 def saved_activation_bytes(forward: Callable[[], torch.Tensor],
                            exclude: Iterable[torch.Tensor] = ()) -> tuple[SavedActivations, torch.Tensor]:
-    """Run forward() and count the storages autograd saves for backward (each once; `exclude`, e.g. the
-    parameters, not at all). Returns the count and forward()'s output (whose backward still works).
-
-    Every tensor an op saves passes through the pack hook. Many are views of one storage (q, k, v of
-    one qkv projection; a Linear's input reshaped to 2-D), so storages, not tensors, are what is held.
-    """
-    excluded = {_storage_key(local_tensor(t)) for t in exclude}
-    seen: dict[tuple, tuple] = {}
-    n_saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal n_saved
-        n_saved += 1
-        key = _storage_key(t)
-        if key not in excluded and key not in seen:
-            seen[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), key[2])
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Run forward() inside ``SavedActivations(exclude)``: the count and forward()'s output (whose backward
+    still works)."""
+    with SavedActivations(exclude=exclude) as saved:
         out = forward()
-    return SavedActivations(sum(v[2] for v in seen.values()), list(seen.values()), n_saved), out
+    return saved, out

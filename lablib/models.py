@@ -32,6 +32,13 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
 
 
+def gpt_config(fields, vocab_size: int = 65) -> GPTConfig:
+    """The GPTConfig of a run script's Config (any object with block_size, n_layer, n_head and n_embd): the one
+    place a run's options become a model's shape."""
+    return GPTConfig(vocab_size=vocab_size, block_size=fields.block_size, n_layer=fields.n_layer,
+                     n_head=fields.n_head, n_embd=fields.n_embd)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()

@@ -26,32 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-# How many torch.distributed calls (the comm's own, or a recorded one) are running in this process: a call
-# made from inside another (torch's send calls its isend) is part of that one, not a direct call.
-_depth = 0
-
-
-@contextlib.contextmanager
-def _inside():
-    global _depth
-    _depth += 1
-    try:
-        yield
-    finally:
-        _depth -= 1
-
-
-# Every torch.distributed function that moves data or synchronises ranks (torch 2.x names).
-COMMUNICATION_CALLS = (
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
-    "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
-    "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
-    "recv_object_list",
-)
-
+from lablib import counting
 
 @dataclass
 class TrafficCount:
@@ -92,26 +68,26 @@ class CountingComm:
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Blocking send: returns once ``dst`` has received (so ``dst`` must post its receive first or concurrently)."""
         self._count_send(tensor, dst)
-        with _inside():
+        with counting.uncounted():
             dist.send(tensor, group=self.group, group_dst=dst)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Blocking receive from ``src`` into ``tensor`` (its size says how many bytes are expected)."""
         self._count_recv(tensor, src)
-        with _inside():
+        with counting.uncounted():
             dist.recv(tensor, group=self.group, group_src=src)
 
     def isend(self, tensor: torch.Tensor, dst: int):
         """Non-blocking send; returns a Work whose ``.wait()`` returns once the send completed.
         Do not modify ``tensor`` before then."""
         self._count_send(tensor, dst)
-        with _inside():
+        with counting.uncounted():
             return dist.isend(tensor, group=self.group, group_dst=dst)
 
     def irecv(self, tensor: torch.Tensor, src: int):
         """Non-blocking receive into ``tensor``; read it only after ``.wait()`` on the returned Work."""
         self._count_recv(tensor, src)
-        with _inside():
+        with counting.uncounted():
             return dist.irecv(tensor, group=self.group, group_src=src)
 
     # --- counters ------------------------------------------------------------------------------------
@@ -154,30 +130,11 @@ class CountingComm:
 def direct_calls():
     """Record the torch.distributed communication calls made inside the block other than through a CountingComm.
 
-    Yields a list that fills with the names called (``"all_reduce"``, ``"isend"``, ...); the calls still run
-    unchanged. Both ``torch.distributed.<name>`` and ``torch.distributed.distributed_c10d.<name>`` are
-    watched, which catches ``dist.all_reduce(...)`` and an import inside the function; a name bound by
-    ``from torch.distributed import all_reduce`` before the block is not (its traffic is then missing
-    from the comm's counters, which a check also sees). Not thread-safe: one block at a time.
+    Yields a ``lablib.counting.CollectiveLog`` (``[c.function for c in log.calls]``: ``"all_reduce"``,
+    ``"isend"``, ...); the calls still run unchanged. It is ``counting.count_collectives``, which the comm's
+    own calls do not reach (they run inside ``counting.uncounted``). A name bound by ``from
+    torch.distributed import all_reduce`` before the block is not seen (its traffic is then missing from the
+    comm's counters, which a check also sees).
     """
-    called: list[str] = []
-    replaced = []
-    for module in (dist, c10d):
-        for name in COMMUNICATION_CALLS:
-            original = getattr(module, name, None)
-            if original is None:
-                continue
-
-            def recording(*args, _name=name, _original=original, **kwargs):
-                if _depth == 0:
-                    called.append(_name)
-                with _inside():
-                    return _original(*args, **kwargs)
-
-            setattr(module, name, recording)
-            replaced.append((module, name, original))
-    try:
-        yield called
-    finally:
-        for module, name, original in reversed(replaced):
-            setattr(module, name, original)
+    with counting.count_collectives() as log:
+        yield log

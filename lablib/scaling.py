@@ -12,7 +12,8 @@ optimizer step, each part timed on its own - and once with DDP, timed as a whole
 the two step times is the communication DDP managed to hide behind the backward.
 
 Every timed part starts after a barrier, so a rank waiting for a slower rank is booked as "wait", not as
-communication; every per-step time is the slowest rank's (the step is done when the last rank is done).
+communication; every per-step time is the slowest rank's (``lablib.timing``: the step is done when the last
+rank is done).
 DDP's own all-reduces are timed by a communication hook (``BucketTimer``): when each bucket's all-reduce
 was launched and when it finished, which shows how much of it ran during the backward.
 
@@ -23,34 +24,12 @@ Communication"). ``bucketed_backward`` is a schedule of that idea in the alpha-b
 
 from __future__ import annotations
 
-import contextlib
 import math
-import statistics
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-
-
-@contextlib.contextmanager
-def stopwatch(times: list[float], device: torch.device) -> Iterator[None]:
-    """Append the wall-clock seconds of the block to times (waiting for the GPU first, when there is one)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    yield
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    times.append(time.perf_counter() - t0)
-
-
-def barrier(device: torch.device, group=None) -> None:
-    """All ranks of group meet here (no-op without a process group)."""
-    if dist.is_initialized():
-        # NCCL needs to know the rank's GPU for its barrier; gloo's barrier is a CPU operation.
-        nccl = dist.get_backend(group) == "nccl"
-        dist.barrier(group=group, device_ids=[device.index] if nccl and device.type == "cuda" else None)
 
 
 def allreduce_gradients_(params: Sequence[torch.nn.Parameter], group=None) -> int:
@@ -72,19 +51,6 @@ def allreduce_gradients_(params: Sequence[torch.nn.Parameter], group=None) -> in
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
     return flat.numel() * flat.element_size()
-
-
-def slowest_rank(values: Sequence[float], device: torch.device, group=None) -> list[float]:
-    """Element-wise maximum over the ranks of a per-step list (one all-reduce for the whole list)."""
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
-def median(values: Sequence[float]) -> float:
-    """Median: robust to the odd step slowed by another process on a shared machine."""
-    return float(statistics.median(values))
 
 
 class BucketTimer:
@@ -127,11 +93,6 @@ def speedups(step_time_by_world_size: dict[int, float]) -> dict[int, float]:
                          f"{sorted(step_time_by_world_size)}")
     t1 = step_time_by_world_size[1]
     return {n: t1 / t for n, t in sorted(step_time_by_world_size.items())}
-
-
-def efficiencies(speedup_by_world_size: dict[int, float]) -> dict[int, float]:
-    """Parallel efficiency E(N) = S(N) / N: the fraction of N ranks' time spent on useful work."""
-    return {n: s / n for n, s in sorted(speedup_by_world_size.items())}
 
 
 def hidden_comm_fraction(t_step_no_overlap: float, t_step_overlap: float, t_comm: float) -> float:

@@ -1,7 +1,8 @@
 """The skeleton every ``lablib.runs.<step>`` script shares.
 
-A run script is thin: it declares a config dataclass and a ``train(env, config) -> dict`` function, and
-its ``main()`` is ``script.main(Config, train)``. This module does the rest, the same way every time:
+A run script is thin: it declares a config dataclass and a ``run(env, config) -> dict`` function (what every
+rank does; it trains, measures or checks), and its ``main()`` is ``script.main(Config, run)``. This module
+does the rest, the same way every time:
 
 - parses ``--out PATH`` plus the config's options strictly (unknown or mistyped options are errors);
 - initialises the process group with a timeout and always destroys it (``distenv.distributed``);
@@ -77,13 +78,13 @@ def _redirect_to_file(path: Path, stdout: bool) -> None:
     os.close(fd)
 
 
-def main(config_cls, train: Callable, argv: list[str] | None = None) -> None:
-    """Run ``train`` as a rank of a torchrun job (or as a plain single process). See the module docstring."""
+def main(config_cls, run: Callable, argv: list[str] | None = None) -> None:
+    """Run ``run`` as a rank of a torchrun job (or as a plain single process). See the module docstring."""
     if not processes.is_torchrun_worker():
-        _run(config_cls, train, argv)
+        _run(config_cls, run, argv)
         return
     try:
-        _run(config_cls, train, argv)
+        _run(config_cls, run, argv)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             processes.end_rank(exc.code or 0)
@@ -95,7 +96,7 @@ def main(config_cls, train: Callable, argv: list[str] | None = None) -> None:
     processes.end_rank(0)
 
 
-def _run(config_cls, train: Callable, argv: list[str] | None) -> None:
+def _run(config_cls, run: Callable, argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     run_dir = processes.run_dir()
     rank = int(os.environ.get("RANK", "0"))
@@ -110,7 +111,7 @@ def _run(config_cls, train: Callable, argv: list[str] | None) -> None:
             try:
                 if hasattr(config, "validate_world"):
                     config.validate_world(env.world_size)
-                metrics = train(env, config)
+                metrics = run(env, config)
             except BaseException as exc:
                 # Recorded before the process group is torn down: tearing it down makes the other ranks
                 # fail too, and the launcher reports the earliest failure as the root cause.

@@ -14,16 +14,14 @@ evaluates at the same steps (``evaluation_steps``), so their curves are comparab
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from lablib import data
-from lablib.models import GPT, GPTConfig
+from lablib import data, timing
+from lablib.models import GPT, gpt_config
 
 # The GPT of the source tutorial the lab checks (6 layers, 384 wide, 6 heads, context 256): ~10.7 M
 # parameters with the character vocabulary. The lab trains it when CUDA is present; on a CPU it is far
@@ -63,8 +61,7 @@ def new_model(vocab_size: int, config, device) -> GPT:
     """The lab's GPT from a run config's fields; torch.manual_seed(config.seed) first, so every rank and
     every variant starts from the same weights."""
     torch.manual_seed(config.seed)
-    return GPT(GPTConfig(vocab_size=vocab_size, block_size=config.block_size, n_layer=config.n_layer,
-                         n_head=config.n_head, n_embd=config.n_embd)).to(device)
+    return GPT(gpt_config(config, vocab_size)).to(device)
 
 
 def evaluation_steps(steps: int, eval_every: int) -> list[int]:
@@ -143,10 +140,10 @@ def evaluate(model, val_set, batch_size: int, env, mean_across_ranks: Callable |
     return mean.item() if mean_across_ranks is None else float(mean_across_ranks(mean, env))
 
 
-def time_accumulation(model, optimizer, train_set, config, env, counters) -> dict:
+def time_accumulation(model, optimizer, train_set, config, env, ddp_log) -> dict:
     """A few more DDP accumulation steps of config.accum_steps micro-batches, all-reducing after every
-    micro-batch and with no_sync(): gradient all-reduces per step (counted) and the slowest rank's median
-    step time."""
+    micro-batch and with no_sync(): gradient all-reduces per step (counted) and the step time
+    (``lablib.timing``)."""
     K, micro = config.accum_steps, config.batch_size // (env.world_size * config.accum_steps)
     items = [train_set[i] for i in range(K * micro)]
     x = torch.stack([it[0] for it in items]).to(env.device).split(micro)
@@ -155,19 +152,16 @@ def time_accumulation(model, optimizer, train_set, config, env, counters) -> dic
     for name, skip_sync in (("sync_every", False), ("no_sync", True)):
         times, calls = [], []
         for _ in range(4):
-            before = sum(c.calls for c in counters)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for k in range(K):
-                with model.no_sync() if skip_sync and k < K - 1 else contextlib.nullcontext():
-                    (model(x[k], y[k])[1] / K).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            times.append(time.perf_counter() - t0)
-            calls.append(sum(c.calls for c in counters) - before)
-        t = torch.tensor([sorted(times[1:])[len(times[1:]) // 2]], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[name] = {"allreduce_calls_per_step": calls[-1], "median_step_time_s": t.item()}
+            before = ddp_log.count()
+            timing.barrier(env.device)
+            with timing.stopwatch(times, env.device):
+                for k in range(K):
+                    with model.no_sync() if skip_sync and k < K - 1 else contextlib.nullcontext():
+                        (model(x[k], y[k])[1] / K).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            calls.append(ddp_log.count() - before)
+        out[name] = {"allreduce_calls_per_step": calls[-1], **timing.step_times(times, env.device, warmup=1)}
     return out
 
 

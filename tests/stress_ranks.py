@@ -43,7 +43,7 @@ def write_solution_module(step: str, folder: Path) -> dict:
 
 def one_run(step: str, nproc: int, options: dict) -> str:
     try:
-        launch.run(step, nproc=nproc, timeout_s=240, quiet=True, show_progress=False, **options)
+        launch.run(step, {**options}, nproc=nproc, timeout_s=240, quiet=True, show_progress=False)
         return "ok"
     except launch.RankKilledError as exc:
         return f"killed ({exc.signal})"

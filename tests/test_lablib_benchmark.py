@@ -1,4 +1,4 @@
-"""lablib.benchmark (StepMeter), lablib.checkpointing, lablib.rankcheck, lablib.training, lablib.probes and the
+"""lablib.benchmark (StepMeter), lablib.activation_checkpointing, lablib.rankcheck, lablib.training, lablib.probes and the
 lab 05 run script gpt_migration."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 from pathlib import Path
 from types import SimpleNamespace
 
-from lablib import data, launch, training
+from lablib import data, launch, timing, training
 from lablib.benchmark import StepMeter
-from lablib.checkpointing import CheckpointedBlock, apply_activation_checkpointing
+from lablib.memory import saved_activation_bytes
+from lablib.activation_checkpointing import CheckpointedBlock, apply_activation_checkpointing
 from lablib.distenv import from_env
 from lablib.rankcheck import RecordingDataset, gather_objects, shard_report, weight_spread
 from lablib.models import GPT, GPTConfig
@@ -79,7 +80,11 @@ def test_step_meter_in_one_process(capsys):
     # CPU time / wall time of a step: positive, and at most every core busy (a process may run several threads;
     # short intervals and the clocks' granularity give some slack).
     assert 0 < out["cpu_share_per_rank"][0] <= 1.5 * (os.cpu_count() or 1)
-    assert len(out["median_step_time_s_per_rank"]) == 1
+    assert len(out["median_step_s_per_rank"]) == 1 and out["median_step_s"] == timing.median(out["step_s"])
+    # One counter of saved activations: the meter's equals lab 04's count of the same forward, which leaves the
+    # parameters out by their storages (a Linear saves its weight as a transposed view, not the leaf).
+    saved, _ = saved_activation_bytes(lambda: model(x, x)[1], exclude=list(model.parameters()) + list(model.buffers()))
+    assert memory["activations"] == saved.bytes > 0
     assert out["collectives_per_step"] == {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     assert out["tokens_per_s"] > 0 and len(out["train_losses"]) == 8
     assert out["timed_steps"] >= 3
@@ -87,11 +92,12 @@ def test_step_meter_in_one_process(capsys):
 
 def test_config_is_validated_before_launch():
     with pytest.raises(ValueError, match="unknown"):
-        launch.run("gpt_migration", nproc=1, variants="zero3", timeout_s=30)
+        launch.run("gpt_migration", {"variants": "zero3"}, nproc=1, timeout_s=30)
     with pytest.raises(ValueError, match="nproc=1"):
-        launch.run("gpt_migration", nproc=2, variants="single", timeout_s=30)
+        launch.run("gpt_migration", {"variants": "single"}, nproc=2, timeout_s=30)
     with pytest.raises(ValueError, match="divisible"):
-        launch.run("gpt_migration", nproc=3, variants="fsdp", batch_size=16, fsdp_impl=__file__, timeout_s=30)
+        launch.run("gpt_migration", {"variants": "fsdp", "batch_size": 16, "fsdp_impl": __file__}, nproc=3,
+                   timeout_s=30)
 
 
 DDP_IMPL = '''
@@ -131,9 +137,9 @@ def apply_fsdp(model, mesh=None):
 def test_gpt_migration_counts_and_shards_on_two_ranks(tmp_path):
     (tmp_path / "ddp_impl.py").write_text(textwrap.dedent(DDP_IMPL))
     (tmp_path / "fsdp_impl.py").write_text(textwrap.dedent(FSDP_IMPL))
-    result = launch.run("gpt_migration", nproc=2, variants="ddp,fsdp", ddp_impl=str(tmp_path / "ddp_impl.py"),
-                        fsdp_impl=str(tmp_path / "fsdp_impl.py"), steps=6, eval_every=3, n_embd=32,
-                        ckpt_dir=str(tmp_path / "ckpt"), timeout_s=240, quiet=True, show_progress=False)
+    result = launch.run("gpt_migration",
+                        {"variants": "ddp,fsdp", "ddp_impl": str(tmp_path / "ddp_impl.py"), "fsdp_impl": str(tmp_path / "fsdp_impl.py"), "steps": 6, "eval_every": 3, "n_embd": 32, "ckpt_dir": str(tmp_path / "ckpt")},
+                        nproc=2, timeout_s=240, quiet=True, show_progress=False)
     ddp, fsdp = result["metrics"]["ddp"], result["metrics"]["fsdp"]
     assert ddp["collectives_per_step"] == {"all_reduce": 1, "all_gather": 0, "reduce_scatter": 0}
     assert fsdp["collectives_per_step"] == {"all_reduce": 0, "all_gather": 5, "reduce_scatter": 3}   # 2L+1, L+1

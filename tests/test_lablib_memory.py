@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from lablib import launch, memory
-from lablib.checkpointing import apply_activation_checkpointing
+from lablib.activation_checkpointing import apply_activation_checkpointing
 from lablib.models import GPT, Block, GPTConfig
 
 
@@ -81,8 +81,8 @@ def test_layers_with_weights_are_the_blocks_linears_and_layernorms():
 
 
 def test_zero_memory_run_matches_the_formula_on_two_ranks():
-    result = launch.run("zero_memory", nproc=2, steps=2, timeout_s=180, quiet=True, show_progress=False,
-                        variants="ddp,zero1,fsdp_full,fsdp_grad_op_bf16")
+    result = launch.run("zero_memory", {"steps": 2, "variants": "ddp,zero1,fsdp_full,fsdp_grad_op_bf16"},
+                        nproc=2, timeout_s=180, quiet=True, show_progress=False)
     m = result["metrics"]
     phi, n_tensors = m["n_params"], len(m["param_shapes"])
     variants = m["variants"]
@@ -104,4 +104,4 @@ def test_zero_memory_config_is_validated():
     with pytest.raises(ValueError, match="does not split"):
         launch.run("zero_memory", nproc=3, timeout_s=10)
     with pytest.raises(ValueError, match="unknown"):
-        launch.run("zero_memory", nproc=2, variants="ddp,zero4", timeout_s=10)
+        launch.run("zero_memory", {"variants": "ddp,zero4"}, nproc=2, timeout_s=10)

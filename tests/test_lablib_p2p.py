@@ -40,12 +40,13 @@ NAIVE_IMPL = "from lablib.runs.ring_allreduce import naive_all_reduce as ring_al
 
 
 def test_direct_calls_records_calls_around_the_comm():
-    with direct_calls() as called:
+    with direct_calls() as log:
         with pytest.raises(ValueError):             # no process group here: the call still runs, and fails
             dist.all_reduce(torch.zeros(2))
         with pytest.raises(ValueError):
             torch.distributed.distributed_c10d.broadcast(torch.zeros(2), src=0)
-    assert called == ["all_reduce", "broadcast"]
+    assert [c.function for c in log.calls] == ["all_reduce", "broadcast"]
+    assert [c.bytes for c in log.calls] == [8, 8]
     assert dist.all_reduce.__name__ == "all_reduce"   # put back after the block
 
 
@@ -53,8 +54,9 @@ def test_run_script_counts_bytes_exactly(tmp_path):
     impl = tmp_path / "naive_impl.py"
     impl.write_text(NAIVE_IMPL)
     # World sizes 2 and 3 in one launch of 3 processes (ranks 0..1 form a sub-group), a 1-D and a 2-D tensor.
-    result = launch.run("ring_allreduce", nproc=3, impl=str(impl), world_sizes=(2, 3), sizes=(5,), shapes=("4x250",),
-                        dtypes=("float32", "bfloat16"), timeout_s=120, quiet=True)
+    result = launch.run("ring_allreduce",
+                        {"impl": str(impl), "world_sizes": (2, 3), "sizes": (5,), "shapes": ("4x250",), "dtypes": ("float32", "bfloat16")},
+                        nproc=3, timeout_s=120, quiet=True)
     rows = result["metrics"]["check"]
     assert [(r["world_size"], r["shape"], r["dtype"]) for r in rows] == [
         (n, shape, dtype) for n in (2, 3) for dtype in ("float32", "bfloat16") for shape in ([5], [4, 250])]
@@ -73,13 +75,14 @@ def test_run_script_counts_bytes_exactly(tmp_path):
 
 def test_world_sizes_need_enough_processes():
     with pytest.raises(ValueError, match="need more ranks"):
-        launch.run("ring_allreduce", nproc=2, world_sizes=(2, 3), timeout_s=10)
+        launch.run("ring_allreduce", {"world_sizes": (2, 3)}, nproc=2, timeout_s=10)
 
 
 def test_run_script_benchmark_reports_medians(tmp_path):
     impl = tmp_path / "naive_impl.py"
     impl.write_text(NAIVE_IMPL)
-    result = launch.run("ring_allreduce", nproc=2, impl=str(impl), sizes=(), bench_bytes=(1024, 65536), repeats=1,
+    result = launch.run("ring_allreduce",
+                        {"impl": str(impl), "sizes": (), "bench_bytes": (1024, 65536), "repeats": 1}, nproc=2,
                         timeout_s=120, quiet=True)
     bench = result["metrics"]["bench"]
     assert bench["n_bytes"] == [1024, 65536]
@@ -95,9 +98,10 @@ def test_deadlock_fails_fast_with_a_message(tmp_path):
                     "    comm.recv(tensor, (comm.rank - 1) % comm.world_size)\n"
                     "    return tensor\n")
     with pytest.raises(launch.RunError, match="deadlock"):
-        launch.run("ring_allreduce", nproc=2, impl=str(impl), sizes=(16,), deadlock_s=3.0, timeout_s=60, quiet=True)
+        launch.run("ring_allreduce", {"impl": str(impl), "sizes": (16,), "deadlock_s": 3.0}, nproc=2,
+                   timeout_s=60, quiet=True)
 
 
 def test_unknown_dtype_rejected_before_start():
     with pytest.raises(ValueError, match="not supported"):
-        launch.run("ring_allreduce", nproc=2, dtypes=("float8",), timeout_s=10)
+        launch.run("ring_allreduce", {"dtypes": ("float8",)}, nproc=2, timeout_s=10)

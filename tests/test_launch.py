@@ -1,6 +1,5 @@
 """The launcher's failure paths: every one ends in a clear exception, quickly, with no process left behind."""
 
-import dataclasses
 import os
 import signal
 import socket
@@ -9,7 +8,6 @@ import sys
 import textwrap
 import threading
 import time
-import types
 
 import psutil
 import pytest
@@ -51,7 +49,7 @@ def test_success_streams_rank0_and_returns_json(capsys):
 def test_failing_rank_raises_with_its_traceback():
     t0 = time.monotonic()
     with pytest.raises(launch.RunError) as info:
-        launch.run("hello", nproc=2, fail_rank=1, timeout_s=120, quiet=True)
+        launch.run("hello", {"fail_rank": 1}, nproc=2, timeout_s=120, quiet=True)
     assert info.value.rank == 1
     assert "rank 1 failed on purpose (fail_rank=1)" in str(info.value)
     assert "Traceback" in info.value.details
@@ -62,7 +60,7 @@ def test_failing_rank_raises_with_its_traceback():
 def test_rank_killed_by_a_signal_is_reported_as_such():
     """A rank that dies by SIGABRT after its work (as gloo's teardown race did) is not the code's error."""
     with pytest.raises(launch.RankKilledError) as info:
-        launch.run("hello", nproc=2, abort_rank=1, timeout_s=120, quiet=True)
+        launch.run("hello", {"abort_rank": 1}, nproc=2, timeout_s=120, quiet=True)
     assert info.value.rank == 1 and info.value.signal == "SIGABRT"
     assert "not by an exception" in str(info.value) and "infrastructure" in str(info.value)
     assert not wait_until_gone()
@@ -86,22 +84,70 @@ def test_torchrun_exit_codes_are_read_root_cause_first():
     assert processes.rank_exit_codes(summary) == [(2, -6), (0, -15)]
 
 
-def test_a_step_option_named_like_a_launcher_option_is_refused():
-    for step in launch.available_steps():
-        launch.check_step_options(launch.load_step(step))
+def test_step_options_and_launcher_options_never_share_a_namespace():
+    # A step option passed as a keyword is refused with the call to write instead (nothing starts).
+    with pytest.raises(TypeError, match=r"launch.run\('hello', \{'hang_rank': ...\}, nproc=2\)"):
+        launch.run("hello", nproc=2, hang_rank=1)
+    # A step option may be called like a launcher option: it goes to the step's Config, which refuses it here
+    # because hello has no such option (the launcher's own timeout_s is untouched).
+    with pytest.raises(ConfigError, match="timeout_s"):
+        launch.run("hello", {"timeout_s": 5}, nproc=2, timeout_s=60)
+    with pytest.raises(TypeError, match="mapping"):
+        launch.run("hello", [("fail_rank", 1)], nproc=2)
 
-    @dataclasses.dataclass(frozen=True)
-    class Config:
-        timeout_s: float = 1.0
 
-    with pytest.raises(TypeError, match="timeout_s"):
-        launch.check_step_options(types.SimpleNamespace(__name__="fake", Config=Config))
+def test_run_result_reads_by_key_and_attribute_with_integer_keys_restored():
+    r = launch.RunResult({"metrics": {"by_world_size": {"1": {"t": 2.0}, "4": {"t": 0.5}}, "xs": [{"a": 1}]},
+                          "step": "x"}, output="hi\n")
+    assert r.metrics.by_world_size[4].t == 0.5 == r["metrics"]["by_world_size"][4]["t"]
+    assert sorted(r.metrics.by_world_size) == [1, 4] and r.metrics.xs[0].a == 1 and r.output == "hi\n"
+    assert r.to_dict()["metrics"]["by_world_size"][1] == {"t": 2.0}
+    with pytest.raises(AttributeError, match="has no 'metric'"):
+        r.metric
+    with pytest.raises(TypeError):
+        r["step"] = "y"                                  # read-only
+
+
+HANG_SCRIPT = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} up", flush=True)
+if dist.get_rank() == 1:
+    time.sleep(600)                                     # the culprit: rank 1 never joins
+t = torch.ones(3)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+
+def test_run_script_reports_a_hang_with_every_ranks_stack(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_SCRIPT)
+    r = launch.run_script(script, nproc=2, timeout_s=20, quiet=True)
+    assert r.timed_out and r.returncode is None and 20 <= r.elapsed_s < 60
+    assert r.output.strip() == "rank 0 of 2 up" and r.rank_output[1].strip() == "rank 1 of 2 up"
+    assert "in all_reduce" in r.stacks[0] and "hang.py\", line 8" in r.stacks[0]      # rank 0 waits in the all-reduce
+    assert "hang.py\", line 6" in r.stacks[1] and "all_reduce" not in r.stacks[1]    # rank 1 is in its sleep
+
+
+def test_run_script_reports_success_and_failure_without_raising(tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text("import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:])\n")
+    r = launch.run_script(ok, ["--x", 3], nproc=3, timeout_s=60, quiet=True)
+    assert (r.returncode, r.timed_out, r.stacks) == (0, False, {})
+    assert {k: v.strip() for k, v in r.rank_output.items()} == {k: f"rank {k} ['--x', '3']" for k in range(3)}
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('boom')\n")
+    r = launch.run_script(bad, nproc=2, timeout_s=60, quiet=True)
+    assert r.returncode not in (0, None) and not r.timed_out and "ValueError: boom" in r.rank_output[1]
+    with pytest.raises(FileNotFoundError, match="%%writefile nope.py"):
+        launch.run_script(tmp_path / "nope.py")
 
 
 def test_hanging_rank_times_out_and_leaves_no_process():
     t0 = time.monotonic()
     with pytest.raises(launch.RunTimeout, match="ran past its timeout of 10 s"):
-        launch.run("hello", nproc=2, hang_rank=1, timeout_s=10, quiet=True)
+        launch.run("hello", {"hang_rank": 1}, nproc=2, timeout_s=10, quiet=True)
     assert time.monotonic() - t0 < 30
     assert not wait_until_gone(), "workers survived the timeout"
 
@@ -110,7 +156,7 @@ def test_keyboard_interrupt_kills_every_worker():
     code = textwrap.dedent("""
         from lablib import launch
         try:
-            launch.run("hello", nproc=2, hang_rank=0, timeout_s=300, quiet=True)
+            launch.run("hello", {"hang_rank": 0}, nproc=2, timeout_s=300, quiet=True)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
     """)
@@ -163,9 +209,9 @@ def test_two_runs_at_once_do_not_collide():
 def test_unknown_option_and_bad_world_size_fail_before_starting():
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match="unknown option.*fial_rank"):
-        launch.run("hello", nproc=2, fial_rank=1)
+        launch.run("hello", {"fial_rank": 1}, nproc=2)
     with pytest.raises(ValueError, match="fail_rank=2 does not exist with 2 ranks"):
-        launch.run("hello", nproc=2, fail_rank=2)
+        launch.run("hello", {"fail_rank": 2}, nproc=2)
     with pytest.raises(ValueError, match="nproc must be a positive integer"):
         launch.run("hello", nproc=0)
     with pytest.raises(ValueError, match="unknown step 'helo'; available steps: .*hello"):
@@ -178,7 +224,7 @@ def test_student_stub_gets_a_hint(tmp_path, monkeypatch):
     (tmp_path / "accum_impl.py").write_text(
         "def accumulation_step(model, optimizer, micro_batches, loss_fn):\n    raise NotImplementedError()\n")
     with pytest.raises(launch.RunError, match="still raises NotImplementedError") as info:
-        launch.run("grad_accum", nproc=2, steps=2, timeout_s=120, quiet=True)
+        launch.run("grad_accum", {"steps": 2}, nproc=2, timeout_s=120, quiet=True)
     assert "NotImplementedError" in info.value.details
 
 
@@ -186,7 +232,7 @@ def test_missing_exercise_module_names_the_cell_to_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     t0 = time.monotonic()
     with pytest.raises(FileNotFoundError, match="Run the exercise cell that starts with %%writefile nope_impl.py first"):
-        launch.run("grad_accum", nproc=2, impl="nope_impl.py", timeout_s=120, quiet=True)
+        launch.run("grad_accum", {"impl": "nope_impl.py"}, nproc=2, timeout_s=120, quiet=True)
     assert time.monotonic() - t0 < 5, "a missing module is found before torchrun starts"
 
 

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib import scaling, script
+from lablib import config as cfg
+from lablib import data, scaling, script, timing
 from lablib.models import MLP
 from lablib.rankcheck import gather_objects, max_abs_diff
 
@@ -61,9 +62,7 @@ class Config:
     seed: int = 0
 
     def validate(self) -> None:
-        for name in ("samples", "global_batch", "d_in", "d_hidden", "n_hidden"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        cfg.require_at_least_one(self, "samples", "global_batch", "d_in", "d_hidden", "n_hidden")
         if not self.world_sizes or min(self.world_sizes) < 1 or len(set(self.world_sizes)) != len(self.world_sizes):
             raise ValueError(f"world_sizes={self.world_sizes} must be distinct positive integers, e.g. (1, 2, 4)")
         if self.samples % self.global_batch:
@@ -106,8 +105,7 @@ class Replica:
 def dataset(config: Config, device) -> tuple[torch.Tensor, torch.Tensor]:
     """All samples, identical on every rank: x (samples, d_in), y (samples, 1). Built before any timing."""
     g = torch.Generator().manual_seed(config.seed)
-    x = torch.randn(config.samples, config.d_in, generator=g)
-    y = torch.sin(x[:, :8].sum(dim=1, keepdim=True))  # a smooth target the MLP can learn
+    x, y = data.regression_task(config.samples, config.d_in, g)
     return x.to(device), y.to(device)
 
 
@@ -142,15 +140,15 @@ def explicit_step(env, r: Replica, xb, yb) -> None:
     it at the barrier), so the step is (slowest compute) + comm + opt; ``wait`` shows the imbalance.
     """
     r.opt_plain.zero_grad(set_to_none=True)
-    scaling.barrier(env.device, r.group)
-    with scaling.stopwatch(r.step_times, env.device):
-        with scaling.stopwatch(r.parts["compute_s"], env.device):
+    timing.barrier(env.device, r.group)
+    with timing.stopwatch(r.step_times, env.device):
+        with timing.stopwatch(r.parts["compute_s"], env.device):
             F.mse_loss(r.plain(xb), yb).backward()
-        with scaling.stopwatch(r.parts["wait_s"], env.device):
-            scaling.barrier(env.device, r.group)   # the slowest rank's compute decides when comm can start
-        with scaling.stopwatch(r.parts["comm_s"], env.device):
+        with timing.stopwatch(r.parts["wait_s"], env.device):
+            timing.barrier(env.device, r.group)   # the slowest rank's compute decides when comm can start
+        with timing.stopwatch(r.parts["comm_s"], env.device):
             r.comm_bytes = scaling.allreduce_gradients_(list(r.plain.parameters()), r.group)
-        with scaling.stopwatch(r.parts["opt_s"], env.device):
+        with timing.stopwatch(r.parts["opt_s"], env.device):
             r.opt_plain.step()
 
 
@@ -160,8 +158,8 @@ def ddp_step(env, r: Replica, xb, yb) -> None:
     if r.timer is not None:
         r.timer.start_step()
     marks = []
-    scaling.barrier(env.device, r.group)
-    with scaling.stopwatch(r.ddp_times, env.device):
+    timing.barrier(env.device, r.group)
+    with timing.stopwatch(r.ddp_times, env.device):
         t0 = time.perf_counter()
         loss = F.mse_loss(r.ddp(xb), yb)
         marks.append(time.perf_counter())
@@ -179,16 +177,14 @@ def summarize(env, r: Replica, config: Config) -> dict:
     w = config.warmup_steps
     # Per part and per step the largest value over the ranks: "compute" is the slowest rank's, "wait" the
     # longest any rank waited for it (the imbalance, already inside the slowest rank's compute time).
-    timed = {k: scaling.slowest_rank(v[w:], env.device, r.group) for k, v in r.parts.items()}
-    explicit_step_s = scaling.slowest_rank(r.step_times[w:], env.device, r.group)
-    ddp_step_s = scaling.slowest_rank(r.ddp_times[w:], env.device, r.group)
+    timed = {k: timing.slowest_rank(v[w:], env.device, r.group) for k, v in r.parts.items()}
     # Every rank's own times, for a per-rank timeline (gathered; small: a few numbers per step and rank).
     mine = {"explicit": {k: v[w:] for k, v in r.parts.items()}, "ddp": r.ddp_spans[w:]}
     per_rank = gather_objects(mine, env, group=r.group)
     last = r.ddp_spans[-1]["buckets"] if r.ddp_spans else []
-    return {"explicit": {**{f"median_{k}": scaling.median(v) for k, v in timed.items()},
-                         "median_step_s": scaling.median(explicit_step_s), "step_s": explicit_step_s, **timed},
-            "ddp": {"median_step_s": scaling.median(ddp_step_s), "step_s": ddp_step_s,
+    return {"explicit": {**{f"median_{k}": timing.median(v) for k, v in timed.items()},
+                         **timing.step_times(r.step_times, env.device, r.group, warmup=w), **timed},
+            "ddp": {**timing.step_times(r.ddp_times, env.device, r.group, warmup=w),
                     "bucket_bytes": [b[2] for b in sorted(last, key=lambda b: b[3])]},   # by bucket index
             "per_rank": per_rank, "comm_bytes": r.comm_bytes}
 
@@ -198,7 +194,7 @@ def full_loss(model: torch.nn.Module, x, y) -> float:
         return F.mse_loss(model(x), y).item()
 
 
-def train(env, config: Config) -> dict:
+def run(env, config: Config) -> dict:
     x, y = dataset(config, env.device)
     # Every rank creates every group, in the same order (new_group is collective); ranks 0..n-1 form group n.
     groups = {n: dist.new_group(list(range(n))) if dist.is_initialized() else None for n in config.world_sizes}
@@ -242,7 +238,7 @@ def train(env, config: Config) -> dict:
 
 
 def main() -> None:
-    script.main(Config, train)
+    script.main(Config, run)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
+from lablib import config as cfg
 from lablib import data, script, training
-from lablib.benchmark import StepMeter, count_ddp_models
-from lablib.checkpointing import apply_activation_checkpointing
-from lablib.impl import load_module, require_file
+from lablib.benchmark import StepMeter
+from lablib.counting import count_ddp_models
+from lablib.activation_checkpointing import apply_activation_checkpointing
+from lablib.exercise import load_module, require_file
 from lablib.memory import local_tensor
 from lablib.probes import fsdp_plan, probe_loader, probe_mean
 from lablib.rankcheck import RecordingDataset, gather_objects, shard_report, weight_spread
@@ -53,9 +55,7 @@ class Config:
         unknown = [v for v in self.variants if v not in SETUPS]
         if unknown or not self.variants:
             raise ValueError(f"variants={self.variants}: unknown {unknown}; choose from {tuple(SETUPS)}")
-        for name in ("steps", "batch_size", "accum_steps", "val_batch_size", "val_blocks", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        cfg.require_at_least_one(self, "steps", "batch_size", "accum_steps", "val_batch_size", "val_blocks", "eval_every")
         impls = {"ddp": self.ddp_impl, "ddp_accum": self.ddp_impl, "fsdp": self.fsdp_impl,
                  "fsdp_ac": self.fsdp_impl, "accelerate": self.accelerate_impl}
         for variant in self.variants:
@@ -123,9 +123,9 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
     n_params, full_param_bytes = model.num_params(), sum(p.numel() * p.element_size() for p in model.parameters())
     model, parts, result = SETUPS[variant](model, env, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    with count_ddp_models() as counters:
+    with count_ddp_models() as ddp_log:
         meter = StepMeter(env, model, optimizer, config.batch_size * config.block_size, config.steps,
-                          config.eval_every, ddp_counters=counters)
+                          config.eval_every, ddp_log=ddp_log)
         if parts is None:
             accelerate = load_module(config.accelerate_impl, required=("train_loop",))
             curve, trained = accelerate.train_loop(model, optimizer, train_set, val_set, config, meter), model
@@ -142,7 +142,7 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
     if variant == "accelerate":   # lablib's own evaluation of the trained weights, every rank the whole set
         result["reference_final_val_loss"] = training.evaluate(model, val_set, config.val_batch_size, env)
     if variant == "ddp_accum":
-        result["accum"] = training.time_accumulation(trained, optimizer, train_set, config, env, counters)
+        result["accum"] = training.time_accumulation(trained, optimizer, train_set, config, env, ddp_log)
     if config.ckpt_dir and variant == "ddp" and env.is_main:
         path = Path(config.ckpt_dir) / "ddp_rank0.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
     return result
 
 
-def train(env, config: Config) -> dict:
+def run(env, config: Config) -> dict:
     tokenizer, train_set, val_set = data.shakespeare_datasets(config.block_size, config.val_blocks)
     results = {}
     for variant in config.variants:
@@ -164,7 +164,7 @@ def train(env, config: Config) -> dict:
 
 
 def main() -> None:
-    script.main(Config, train)
+    script.main(Config, run)
 
 
 if __name__ == "__main__":

@@ -17,18 +17,16 @@ must be weighted by their share of the samples, not by 1/K.
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib import script
-from lablib.counting import count_ddp_allreduces
-from lablib.impl import load_module, require_file
+from lablib import config as cfg
+from lablib import data, script, timing
+from lablib.counting import count_ddp
+from lablib.exercise import load_module, require_file
 from lablib.models import MLP
 from lablib.rankcheck import max_abs_diff, weight_spread
 
@@ -50,9 +48,7 @@ class Config:
     seed: int = 0
 
     def validate(self) -> None:
-        for name in ("accum_steps", "micro_batch_size", "steps", "d_in", "d_hidden"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        cfg.require_at_least_one(self, "accum_steps", "micro_batch_size", "steps", "d_in", "d_hidden")
         if self.last_micro_batch_size < 0:
             raise ValueError(f"last_micro_batch_size={self.last_micro_batch_size} must be at least 1 (or 0: the same "
                              f"as micro_batch_size={self.micro_batch_size})")
@@ -70,9 +66,7 @@ def global_batch(config: Config, step: int, world_size: int) -> tuple[torch.Tens
     """The step's whole batch, identical on every rank: (world_size * samples per rank, d_in) and (..., 1)."""
     g = torch.Generator().manual_seed(config.seed * 1000 + step)
     n = world_size * sum(micro_batch_sizes(config))
-    x = torch.randn(n, config.d_in, generator=g)
-    y = torch.sin(x[:, :8].sum(dim=1, keepdim=True))  # a smooth target the MLP can learn
-    return x, y
+    return data.regression_task(n, config.d_in, g)
 
 
 def rank_micro_batches(x, y, config: Config, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,31 +87,24 @@ def train_variant(env, config: Config, step_fn, disable_no_sync: bool) -> tuple[
     model = DDP(new_model(config, env.device), bucket_cap_mb=config.bucket_cap_mb)
     if disable_no_sync:
         model.no_sync = contextlib.nullcontext  # every backward now all-reduces
-    counter = count_ddp_allreduces(model)
+    log = count_ddp(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
     step_times, calls, losses = [], [], []
     for step in range(config.steps):
         x, y = global_batch(config, step, env.world_size)
         micro = [(a.to(env.device), b.to(env.device)) for a, b in rank_micro_batches(x, y, config, env.rank)]
-        counter.reset()
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step_fn(model, optimizer, micro, F.mse_loss)
-        if env.device.type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - t0)
-        calls.append(counter.calls)
+        log.reset()
+        timing.barrier(env.device)
+        with timing.stopwatch(step_times, env.device):
+            loss = step_fn(model, optimizer, micro, F.mse_loss)
+        calls.append(log.count())
         losses.append(float(loss))
         script.progress(env, step + 1, config.steps, loss=float(loss))
-    timed = step_times[1:] or step_times  # step 0 includes DDP's bucket rebuild: warm-up
-    # The slowest rank decides the step time: take the max over ranks of each rank's median.
-    median = torch.tensor([statistics.median(timed)])
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    # Step 0 includes DDP's bucket rebuild: warm-up (left out unless it is the only step).
     return {
         "allreduce_calls_per_step": calls,
-        "allreduce_bytes_last_step": counter.bytes,
-        "step_time_s": step_times,
-        "median_step_time_s": median.item(),
+        "allreduce_bytes_last_step": log.bytes(),
+        **timing.step_times(step_times, env.device, warmup=1 if len(step_times) > 1 else 0),
         "losses": losses,
     }, model.module
 
@@ -134,7 +121,7 @@ def reference_weights(config: Config, world_size: int, device) -> torch.nn.Modul
     return model
 
 
-def train(env, config: Config) -> dict:
+def run(env, config: Config) -> dict:
     impl = load_module(config.impl, required=("accumulation_step",))
     result = {}
     for name, disable in (("sync_every", True), ("no_sync", False)):
@@ -146,7 +133,7 @@ def train(env, config: Config) -> dict:
         result["max_abs_diff_vs_single_process"] = max_abs_diff(model, reference)
         result["max_abs_weight"] = max(p.abs().max().item() for p in reference.parameters())
         result["n_params"] = sum(p.numel() for p in reference.parameters())
-        t_every, t_no = result["sync_every"]["median_step_time_s"], result["no_sync"]["median_step_time_s"]
+        t_every, t_no = result["sync_every"]["median_step_s"], result["no_sync"]["median_step_s"]
         print(f"all-reduces per step: sync_every={result['sync_every']['allreduce_calls_per_step'][-1]}, "
               f"no_sync={result['no_sync']['allreduce_calls_per_step'][-1]}; median step "
               f"{t_every * 1e3:.1f} ms -> {t_no * 1e3:.1f} ms; max |w_ddp - w_single| = "
@@ -155,7 +142,7 @@ def train(env, config: Config) -> dict:
 
 
 def main() -> None:
-    script.main(Config, train)
+    script.main(Config, run)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ class Config:
                                  f"(ranks are 0..{world_size - 1}); use -1 for none")
 
 
-def train(env, config: Config) -> dict:
+def run(env, config: Config) -> dict:
     if env.rank == config.fail_rank:
         raise RuntimeError(f"rank {env.rank} failed on purpose (fail_rank={config.fail_rank})")
     if env.rank == config.hang_rank:
@@ -57,7 +57,7 @@ def train(env, config: Config) -> dict:
 
 
 def main() -> None:
-    script.main(Config, train)
+    script.main(Config, run)
 
 
 if __name__ == "__main__":

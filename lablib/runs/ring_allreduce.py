@@ -32,17 +32,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import statistics
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from lablib import processes, script
-from lablib.impl import load_module
+from lablib import processes, script, timing
+from lablib.exercise import load_module
 from lablib.p2p import CountingComm, direct_calls
 from lablib.rankcheck import gather_objects
 
@@ -179,7 +177,7 @@ def check_one(env, config: Config, ring_all_reduce, comm: CountingComm, sub, sha
     comm.reset()
     with watchdog(env.rank, config.deadlock_s, "naive_all_reduce"):
         naive_all_reduce(x.clone(), comm)
-    return {"max_abs_err": max_err, "returned_input": returned is got, "direct_calls": sorted(set(called)),
+    return {"max_abs_err": max_err, "returned_input": returned is got, "direct_calls": sorted({c.function for c in called.calls}),
             "element_size": x.element_size(), "ring": ring_counts, "naive": comm.counts()}
 
 
@@ -218,23 +216,19 @@ def benchmark(env, config: Config, ring_all_reduce, group) -> dict:
         for rep in range(repeats + 1):                          # repetition 0 is a warm-up
             for name, fn in methods.items():                     # interleaved: all three see the same noise
                 buf.copy_(x)
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                with watchdog(env.rank, config.deadlock_s, f"{name} all-reduce of {n_bytes} bytes"):
+                timing.barrier(buf.device, group)
+                with timing.stopwatch(per_rep[name], buf.device), \
+                        watchdog(env.rank, config.deadlock_s, f"{name} all-reduce of {n_bytes} bytes"):
                     fn(buf)
-                if rep > 0:
-                    per_rep[name].append(time.perf_counter() - t0)
-        for name in methods:
-            slowest = torch.tensor(per_rep[name], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)   # a collective ends with its slowest rank
-            times[name].append(slowest.tolist())
+        for name in methods:   # a collective ends with its slowest rank (lablib.timing); repetition 0 is warm-up
+            times[name].append(timing.slowest_rank(per_rep[name][1:], buf.device, group))
         script.progress(env, k + 1, len(config.bench_bytes), MB=n_bytes / 1e6)
     return {"n_bytes": list(config.bench_bytes),
-            **{f"{name}_s": [statistics.median(t) for t in times[name]] for name in methods},
+            **{f"{name}_s": [timing.median(t) for t in times[name]] for name in methods},
             **{f"{name}_all_s": times[name] for name in methods}}
 
 
-def train(env, config: Config) -> dict:
+def run(env, config: Config) -> dict:
     impl = load_module(config.impl, required=("ring_all_reduce",))
     # CPU tensors through gloo on every machine (see the module docstring).
     group = None if env.backend == "gloo" else dist.new_group(backend="gloo")
@@ -258,7 +252,7 @@ def train(env, config: Config) -> dict:
 
 
 def main() -> None:
-    script.main(Config, train)
+    script.main(Config, run)
 
 
 if __name__ == "__main__":

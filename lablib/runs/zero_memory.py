@@ -30,7 +30,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib import data, memory, rankcheck, script
-from lablib.models import GPT, GPTConfig
+from lablib.models import GPT, GPTConfig, gpt_config
 
 VARIANTS = ("ddp", "zero1", "fsdp_grad_op", "fsdp_full", "fsdp_grad_op_bf16")
 PHASES = ("after_forward", "after_backward", "after_step")
@@ -38,7 +38,7 @@ PHASES = ("after_forward", "after_backward", "after_step")
 
 @dataclass(frozen=True)
 class Config:
-    variants: str = ",".join(VARIANTS[:4])
+    variants: tuple[str, ...] = VARIANTS[:4]
     steps: int = 4                 # optimizer steps per variant; memory is counted in the last one
     global_batch: int = 8          # sequences per step over all ranks (the same for every world size)
     # Small, and with 4 layers: ZeroRedundancyOptimizer hands out whole tensors, and 52 tensors of at most
@@ -52,8 +52,8 @@ class Config:
     seed: int = 0
 
     def validate(self) -> None:
-        unknown = [v for v in self.variant_list if v not in VARIANTS]
-        if unknown or not self.variant_list:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown or not self.variants:
             raise ValueError(f"variants={self.variants!r}: unknown {unknown}; choose from {', '.join(VARIANTS)}")
         if self.steps < 2:
             raise ValueError(f"steps={self.steps}: need at least 2, the optimizer state exists from the first step on")
@@ -65,19 +65,13 @@ class Config:
             raise ValueError(f"global_batch={self.global_batch} does not split over {world_size} ranks; "
                              f"use a multiple of {world_size}")
 
-    @property
-    def variant_list(self) -> list[str]:
-        return [v for v in self.variants.split(",") if v]
-
     def gpt(self) -> GPTConfig:
-        return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size)
+        return gpt_config(self)
 
 
 def batches(config: Config, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's (x, y) for each step: rows rank*b .. (rank+1)*b of the same global batch, b = G / N."""
-    text = data.load_shakespeare()
-    tokens = data.CharTokenizer.from_text(text).encode(text[:100_000])
-    dataset = data.BlockDataset(tokens, config.block_size)
+    _, dataset, _ = data.shakespeare_datasets(config.block_size)
     per_rank = config.global_batch // world_size
     out = []
     for step in range(config.steps):
@@ -158,7 +152,7 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
     return {"losses": losses, "memory": counts}
 
 
-def train(env, config: Config) -> dict:
+def run(env, config: Config) -> dict:
     steps = batches(config, env.rank, env.world_size)
     reference = GPT(config.gpt())
     result = {
@@ -167,7 +161,7 @@ def train(env, config: Config) -> dict:
         "param_shapes": {n: list(p.shape) for n, p in reference.named_parameters()},
         "variants": {},
     }
-    for variant in config.variant_list:
+    for variant in config.variants:
         mine = train_variant(env, config, variant, steps)
         per_rank = rankcheck.gather_objects(mine["memory"], env)   # every rank's counts
         result["variants"][variant] = {"losses": mine["losses"], "memory_per_rank": per_rank}
@@ -181,7 +175,7 @@ def train(env, config: Config) -> dict:
 
 
 def main() -> None:
-    script.main(Config, train)
+    script.main(Config, run)
 
 
 if __name__ == "__main__":

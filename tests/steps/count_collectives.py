@@ -1,0 +1,46 @@
+"""Every collective the course counts, on 2 ranks, through lablib.counting (tests/test_lablib_counting.py)."""
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lablib import counting
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+x = torch.ones(16)                                        # 64 bytes
+with counting.count_collectives() as log:
+    dist.all_reduce(x.clone())
+    dist.all_gather_into_tensor(torch.empty(32), x)
+    dist.all_gather([torch.empty(16), torch.empty(16)], x)
+    dist.reduce_scatter_tensor(torch.empty(16), torch.ones(32))
+    dist.all_to_all_single(torch.empty(16), x)
+    dist.broadcast(x.clone(), src=0)
+    dist.scatter(torch.empty(16), [torch.ones(16), torch.ones(16)] if rank == 0 else None, src=0)
+    dist.gather(x, [torch.empty(16), torch.empty(16)] if rank == 0 else None, dst=0)
+    if rank == 0:
+        dist.isend(x, dst=1).wait()
+    else:
+        dist.irecv(torch.empty(16), src=0).wait()
+    dist.barrier()
+calls = [c.__dict__ for c in log.calls]
+
+mesh = init_device_mesh("cpu", (2,))
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+for unit in (model[0], model[1], model):
+    fully_shard(unit, mesh=mesh)
+with counting.count_collectives() as fsdp:
+    model(torch.randn(4, 8)).sum().backward()
+
+ddp = DDP(torch.nn.Linear(8, 8))
+with counting.count_collectives() as wrapper:
+    hook = counting.count_ddp(ddp)
+    ddp(torch.randn(4, 8)).sum().backward()
+if rank == 0:
+    print(json.dumps({"calls": calls, "fsdp": fsdp.counts(), "ddp_hook": hook.counts(), "ddp_bytes": hook.bytes(),
+                      "ddp_seen_by_wrapper": wrapper.counts()}))
+dist.destroy_process_group()

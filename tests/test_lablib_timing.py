@@ -1,0 +1,55 @@
+"""lablib.timing: the one definition of a step's time across ranks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from lablib import launch, timing
+
+CPU = torch.device("cpu")
+
+
+def test_stopwatch_times_the_block():
+    times = []
+    with timing.stopwatch(times, CPU):
+        time.sleep(0.05)
+    with timing.stopwatch(times, CPU):
+        pass
+    assert len(times) == 2 and 0.05 <= times[0] < 0.5 and times[1] < times[0]
+
+
+def test_median_and_its_empty_case():
+    assert timing.median([3.0, 1.0, 100.0]) == 3.0
+    with pytest.raises(ValueError, match="no timed steps"):
+        timing.median([])
+
+
+def test_step_times_in_one_process_leave_out_the_warmup():
+    out = timing.step_times([9.0, 0.2, 0.1, 0.3], CPU, warmup=1)
+    assert out == {"median_step_s": 0.2, "step_s": [0.2, 0.1, 0.3]}
+    with pytest.raises(ValueError, match="warmup=2"):
+        timing.step_times([0.1, 0.2], CPU, warmup=2)
+
+
+def test_per_step_maximum_then_median_across_ranks(tmp_path):
+    # Rank 0 is slow at even steps, rank 1 at odd ones: every step of the job took 0.3 s, while each rank's
+    # own median is 0.1 s (the other definition, a maximum of medians, would report 0.1).
+    script = tmp_path / "steps.py"
+    script.write_text(
+        "import json, torch, torch.distributed as dist\n"
+        "from lablib import timing\n"
+        "dist.init_process_group('gloo')\n"
+        "r = dist.get_rank()\n"
+        "mine = [0.3 if (k + r) % 2 == 0 else 0.1 for k in range(5)] + [0.1]\n"
+        "out = timing.step_times(mine, torch.device('cpu'))\n"
+        "print(json.dumps({'rank': r, **out}))\n"
+        "dist.destroy_process_group()\n")
+    run = launch.run_script(script, nproc=2, timeout_s=90, quiet=True)
+    assert run.returncode == 0, run.rank_output
+    for rank in (0, 1):
+        out = json.loads(next(line for line in run.rank_output[rank].splitlines() if line.startswith("{")))
+        assert out["step_s"] == [0.3, 0.3, 0.3, 0.3, 0.3, 0.1] and out["median_step_s"] == 0.3
