@@ -32,3 +32,26 @@ def load_module(path: str, required: tuple[str, ...] = ()) -> ModuleType:
         raise AttributeError(f"{file.name} defines no {', '.join(missing)}; the exercise cell must define "
                              f"{', '.join(required)} with the signature given in the notebook")
     return module
+
+
+def unwritten(path: str | Path) -> list[str]:
+    """The functions (and methods) of an exercise module that are still stubs: their body, after a docstring,
+    is only ``raise NotImplementedError(...)`` (what a released notebook's exercise cell holds). Read from the
+    source without running it; a file that does not parse is left to the import to report."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    stubs = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body[1:] if (node.body and isinstance(node.body[0], ast.Expr)
+                                     and isinstance(node.body[0].value, ast.Constant)
+                                     and isinstance(node.body[0].value.value, str)) else node.body
+            if len(body) == 1 and isinstance(body[0], ast.Raise) and body[0].exc is not None:
+                exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+                if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
+                    stubs.append(node.name)
+    return stubs

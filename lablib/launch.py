@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lablib import config as cfg
-from lablib import processes
+from lablib import exercise, processes
 from lablib.processes import RUN_MARKER, kill_run  # noqa: F401 - part of this module's interface
 
 
@@ -173,6 +173,23 @@ def _unwrap(v):
     return v
 
 
+class ExerciseNotWrittenError(NotImplementedError):
+    """A step was asked to run an exercise module whose functions are still the released stubs."""
+
+
+def _refuse_unwritten_exercises(config) -> None:
+    """Before anything starts: an exercise module file (an option naming an existing .py file) whose functions
+    still raise NotImplementedError would only fail on every rank a few seconds later."""
+    for name, value in vars(config).items():
+        if isinstance(value, str) and value.endswith(".py") and Path(value).expanduser().is_file():
+            stubs = exercise.unwritten(Path(value).expanduser())
+            if stubs:
+                raise ExerciseNotWrittenError(
+                    f"{', '.join(stubs)} in {value} still raise{'s' if len(stubs) == 1 else ''} NotImplementedError: "
+                    f"write the exercise cell that starts with %%writefile {Path(value).name}, run it (it rewrites "
+                    f"the file), then run this cell again. Nothing was started.")
+
+
 def _rank_environment(run_id: str, run_dir: Path, timeout_s: float, threads: int, extra: Mapping | None) -> dict:
     """The ranks' environment: the caller's, the launcher-rank contract, and the caller's extra variables."""
     env = {**os.environ, RUN_MARKER: run_id, processes.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1",
@@ -214,6 +231,7 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
     config = cfg.from_options(module.Config, dict(options or {}))
     if hasattr(config, "validate_world"):
         config.validate_world(nproc)
+    _refuse_unwritten_exercises(config)
     if port is not None and not port_is_free(port):
         raise PortInUseError(f"port {port} on 127.0.0.1 is already in use (another notebook's run, or "
                              f"another program). Leave port=None to let torchrun pick a free port, or "

@@ -219,10 +219,24 @@ def test_unknown_option_and_bad_world_size_fail_before_starting():
     assert time.monotonic() - t0 < 5, "validation must not start torchrun"
 
 
-def test_student_stub_gets_a_hint(tmp_path, monkeypatch):
+def test_a_released_stub_is_refused_before_anything_starts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "accum_impl.py").write_text(
-        "def accumulation_step(model, optimizer, micro_batches, loss_fn):\n    raise NotImplementedError()\n")
+        "def accumulation_step(model, optimizer, micro_batches, loss_fn):\n    \"\"\"Doc.\"\"\"\n"
+        "    raise NotImplementedError()\n")
+    launch.load_step("grad_accum")                     # importing torch is not what is timed
+    t0 = time.monotonic()
+    with pytest.raises(launch.ExerciseNotWrittenError, match="accumulation_step in accum_impl.py still raises "
+                                                             "NotImplementedError: write the exercise cell"):
+        launch.run("grad_accum", {"steps": 2}, nproc=2, timeout_s=120, quiet=True)
+    assert time.monotonic() - t0 < 5, "a stub is found before torchrun starts"
+
+
+def test_a_not_implemented_error_on_the_ranks_gets_a_hint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "accum_impl.py").write_text(
+        "def accumulation_step(model, optimizer, micro_batches, loss_fn):\n    K = len(micro_batches)\n"
+        "    raise NotImplementedError(f'{K} micro-batches: not yet')\n")
     with pytest.raises(launch.RunError, match="still raises NotImplementedError") as info:
         launch.run("grad_accum", {"steps": 2}, nproc=2, timeout_s=120, quiet=True)
     assert "NotImplementedError" in info.value.details
@@ -230,6 +244,7 @@ def test_student_stub_gets_a_hint(tmp_path, monkeypatch):
 
 def test_missing_exercise_module_names_the_cell_to_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    launch.load_step("grad_accum")                     # importing torch is not what is timed
     t0 = time.monotonic()
     with pytest.raises(FileNotFoundError, match="Run the exercise cell that starts with %%writefile nope_impl.py first"):
         launch.run("grad_accum", {"impl": "nope_impl.py"}, nproc=2, timeout_s=120, quiet=True)
