@@ -117,6 +117,8 @@ class StepMeter:
         calls, nbytes = self.ddp_log.count(), self.ddp_log.bytes()
         self._ddp_step_bytes = nbytes - self._ddp_bytes
         self._ddp_calls, self._ddp_bytes = calls, nbytes
+        if self.env.device.type == "cuda":      # the step is over when the GPU is done (lablib.timing's stopwatch)
+            torch.cuda.synchronize(self.env.device)
         now, cpu = time.perf_counter(), time.process_time()
         measured = step - 1 in (self.profile_step, self.count_step)
         after_eval = (step - 1) % self.eval_every == 0
