@@ -1,0 +1,370 @@
+"""Lab 06's measurements: the students' DDP classes against PyTorch's DDP on the course GPT, on 2 ranks.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m lablib.runs.ddp_overlap --out out.json
+
+Four parts, one torchrun start, every variant trained from the same initial weights on the same batches
+(Tiny Shakespeare, each rank its contiguous half of every global batch):
+
+- ``timeline``: one step of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP, per rank, from
+  perf_counter timestamps taken in the run: each block's backward (module backward hooks) and each
+  all-reduce's launch and completion (``ddp_scratch.Recorder`` for the students' classes, a communication
+  hook, ``scaling.BucketTimer``, for DDP's). The overlap fraction uses DDP's own definition (its reducer's
+  timer, reported by ``_get_ddp_logging_data()``): communication runs from the first all-reduce's launch to
+  the last one's completion; the part of it before the backward's compute ended (the last gradient became
+  final) is hidden. PyTorch's numbers for
+  its own run are read from the reducer after 10 iterations (its logger averages iterations 1-10).
+- ``sweep``: median step time of ``DDPBucketed`` at bucket caps from one bucket per parameter to one bucket,
+  all caps taking turns step by step, with the parts the alpha-beta model needs measured in the same run:
+  forward, backward and optimizer time with no communication, and standalone all-reduces of several sizes.
+- ``benchmark``: ``DDPBucketed`` against DDP at the same cap, paired: ``rounds`` rounds, each a few steps of
+  both (which one goes first alternates), the ratio of the medians per round, then the median ratio.
+  Bytes per step are counted where the collective is called (``lablib.counting``).
+- ``compression``: DDP with communication hooks (none, ``fp16_compress_hook``, PowerSGD rank 1): all-reduce
+  bytes per step and the loss after the same number of steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from types import SimpleNamespace
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lablib import commcost, counting, data, scaling, script, timing
+from lablib import config as cfg
+from lablib.exercise import require_file
+from lablib.models import GPT, gpt_config
+from lablib.rankcheck import gather_objects
+from lablib.runs.ddp_scratch import Recorder, load_impl
+
+
+COMPRESSION_CAP_MB = 1000.0
+
+
+@dataclass(frozen=True)
+class Config:
+    individual_impl: str = "ddp_individual_impl.py"   # exercise 1's module file
+    bucketed_impl: str = "ddp_bucketed_impl.py"       # exercise 3's (it imports exercise 2's buckets_impl.py)
+    parts: tuple[str, ...] = ("timeline", "sweep", "benchmark", "compression")
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    batch_per_rank: int = 8                   # sequences per rank per step
+    bucket_size_mb: float = 0.5               # the timeline's and the benchmark's cap, both classes and DDP
+    sweep_caps_mb: tuple[float, ...] = (1e-6, 0.05, 0.1, 0.25, 0.5, 100.0)
+    sweep_rounds: int = 4                     # steps per cap (taking turns)
+    timeline_steps: int = 12                  # DDP's logger averages iterations 1-10: at least 11
+    rounds: int = 5                           # benchmark rounds (median of the per-round ratios)
+    steps_per_round: int = 3
+    compression_steps: int = 20
+    lr: float = 3e-3
+    seed: int = 0
+
+    def validate(self) -> None:
+        cfg.require_at_least_one(self, "n_layer", "n_head", "n_embd", "block_size", "batch_per_rank", "sweep_rounds",
+                                 "rounds", "steps_per_round", "compression_steps")
+        known = {"timeline", "sweep", "benchmark", "compression"}
+        if not set(self.parts) <= known:
+            raise ValueError(f"parts={self.parts}: each must be one of {sorted(known)}")
+        if self.timeline_steps < 11:
+            raise ValueError(f"timeline_steps={self.timeline_steps} must be at least 11: DDP's logger reports the "
+                             f"average of its iterations 1-10")
+        if self.bucket_size_mb <= 0 or min(self.sweep_caps_mb) <= 0:
+            raise ValueError(f"bucket caps must be positive MiB, got {self.bucket_size_mb} and {self.sweep_caps_mb}")
+        require_file(self.individual_impl)
+        require_file(self.bucketed_impl)
+
+    def validate_world(self, world_size: int) -> None:
+        if world_size < 2:
+            raise ValueError(f"this step compares data-parallel ranks: start it with nproc >= 2, got {world_size}")
+
+
+# --- batches and models ------------------------------------------------------------------------------------------
+
+class Batches:
+    """Global batch ``step`` of Tiny Shakespeare (the same on every rank for a given step); rank r's slice."""
+
+    def __init__(self, config: Config, env):
+        _, train, _ = data.shakespeare_datasets(config.block_size)
+        self.train, self.config, self.env = train, config, env
+
+    def rank_batch(self, step: int):
+        b, n = self.config.batch_per_rank, self.env.world_size
+        g = torch.Generator().manual_seed(self.config.seed * 10000 + step)
+        idx = torch.randint(0, len(self.train), (b * n,), generator=g)[self.env.rank * b:(self.env.rank + 1) * b]
+        x, y = zip(*(self.train[int(i)] for i in idx))
+        return torch.stack(x).to(self.env.device), torch.stack(y).to(self.env.device)
+
+
+def new_gpt(config: Config, env) -> GPT:
+    torch.manual_seed(config.seed)      # identical initial weights for every variant and rank
+    return GPT(gpt_config(config)).to(env.device)
+
+
+def wrap(variant: str, impl, model, cap_mb: float):
+    if variant == "individual":
+        return impl.DDPIndividualParameters(model)
+    if variant == "bucketed":
+        return impl.DDPBucketed(model, cap_mb)
+    return DDP(model, bucket_cap_mb=cap_mb)
+
+
+def finish(model) -> None:
+    if not isinstance(model, DDP):
+        model.finish_gradient_synchronization()
+
+
+def train_step(model, optimizer, batch) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(*batch)[1]
+    loss.backward()
+    finish(model)
+    optimizer.step()
+    return loss.item()
+
+
+# --- timeline ----------------------------------------------------------------------------------------------------
+
+class BlockTimes:
+    """Backward start and end of the GPT's head and blocks (full backward hooks), perf_counter seconds."""
+
+    def __init__(self, gpt: GPT):
+        self.spans: dict[str, list[float]] = {}
+        named = [("head", gpt.lm_head)] + [(f"block {i}", b) for i, b in enumerate(gpt.h)]
+        for name, module in named:
+            module.register_full_backward_pre_hook(lambda m, g, name=name: self.spans.__setitem__(name, [time.perf_counter()]))
+            module.register_full_backward_hook(lambda m, gi, go, name=name: self.spans[name].append(time.perf_counter()))
+
+
+def overlap_fraction(comm: list[tuple[float, float]], compute_end: float) -> float:
+    """DDP's definition (its reducer's timer): communication spans the first launch .. the last completion;
+    the part of it before the backward's compute ended (the last gradient became final) is hidden.
+    0 when nothing ran during the backward's compute, 1 when all of it did."""
+    start, end = min(c[0] for c in comm), max(c[1] for c in comm)
+    if end <= start:
+        return 1.0
+    return max(0.0, min(end, compute_end) - start) / (end - start)
+
+
+def timeline(env, config: Config, impl, batches: Batches) -> dict:
+    out = {}
+    for variant in ("individual", "bucketed", "ddp"):
+        gpt = new_gpt(config, env)
+        blocks = BlockTimes(gpt)
+        recorder = Recorder()
+        with recorder.active():
+            model = wrap(variant, impl, gpt, config.bucket_size_mb)
+        # When each gradient became final (after the wrapper's own hook): the last one ends the backward's
+        # compute, DDP's kBackwardComputeEnd; DDP's backward() returns only after its all-reduces are done.
+        grad_ready: list[float] = []
+        for p in gpt.parameters():
+            p.register_post_accumulate_grad_hook(lambda _, ready=grad_ready: ready.append(time.perf_counter()))
+        bucket_timer = None
+        if variant == "ddp":
+            bucket_timer = scaling.BucketTimer()
+            model.register_comm_hook(bucket_timer, scaling.BucketTimer.hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+        steps = []
+        # DDP's logger averages its iterations 1-10; the students' classes need only a few steps.
+        for step in range(config.timeline_steps if variant == "ddp" else 4):
+            batch = batches.rank_batch(step)
+            optimizer.zero_grad(set_to_none=True)
+            recorder.events.clear()
+            grad_ready.clear()
+            if bucket_timer is not None:
+                bucket_timer.start_step()
+            timing.barrier(env.device)
+            with recorder.active():
+                t0 = time.perf_counter()
+                loss = model(*batch)[1]
+                t_forward = time.perf_counter()
+                loss.backward()
+                t_backward = time.perf_counter()
+                finish(model)
+                t_finish = time.perf_counter()
+            optimizer.step()
+            t_end = time.perf_counter()
+            if bucket_timer is not None:
+                comm = [(a, b, n) for a, b, n, _ in bucket_timer.spans]
+            else:
+                comm = [(e["launched_s"], e["done_s"] or t_finish, e["bytes"]) for e in recorder.events
+                        if e["op"] == "all_reduce"]
+            compute_end = max(grad_ready)
+            steps.append({"forward": [0.0, t_forward - t0], "backward_end": t_backward - t0,
+                          "compute_end": compute_end - t0,
+                          "finish_end": t_finish - t0, "end": t_end - t0,
+                          "blocks": {k: [v[0] - t0, v[-1] - t0] for k, v in blocks.spans.items()},
+                          "comm": [(a - t0, b - t0, n) for a, b, n in comm],
+                          "overlap_fraction": overlap_fraction(comm, compute_end)})
+        timed = steps[1:]                      # iteration 0 builds buckets and warms caches
+        mine = {"median_overlap_fraction": statistics.median(s["overlap_fraction"] for s in timed),
+                "step": timed[len(timed) // 2], "median_step_s": statistics.median(s["end"] for s in timed)}
+        if variant == "ddp":
+            logged = model._get_ddp_logging_data()   # what DDP's logger reports about itself (ns)
+            comm_ns = logged.get("avg_backward_comm_time", 0)
+            mine["ddp_self_report"] = {k: logged.get(k) for k in (
+                "avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
+                "avg_backward_compute_comm_overlap_time", "iteration", "rebuilt_bucket_sizes")}
+            mine["ddp_self_report"]["overlap_fraction"] = (
+                logged.get("avg_backward_compute_comm_overlap_time", 0) / comm_ns if comm_ns else None)
+        out[variant] = gather_objects(mine, env)
+    return out
+
+
+# --- bucket-size sweep ------------------------------------------------------------------------------------------
+
+def allreduce_times(env, sizes_bytes: list[int], repeats: int) -> list[float]:
+    """Median seconds of one standalone all-reduce of each size (slowest rank per repeat)."""
+    out = []
+    for n_bytes in sizes_bytes:
+        t = torch.ones(max(1, n_bytes // 4), device=env.device)
+        times = []
+        for _ in range(repeats + 1):
+            timing.barrier(env.device)
+            with timing.stopwatch(times, env.device):
+                dist.all_reduce(t)
+        out.append(timing.step_times(times, env.device, warmup=1)["median_step_s"])
+    return out
+
+
+def sweep(env, config: Config, impl, batches: Batches) -> dict:
+    caps = list(config.sweep_caps_mb)
+    models = {cap: wrap("bucketed", impl, new_gpt(config, env), cap) for cap in caps}
+    optimizers = {cap: torch.optim.SGD(m.parameters(), lr=config.lr) for cap, m in models.items()}
+    plain = new_gpt(config, env)                    # no communication: forward, backward, step timed apart
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=config.lr)
+    times = {cap: [] for cap in caps}
+    parts = {"forward_s": [], "backward_s": [], "opt_s": []}
+    buckets = {}
+    for step in range(config.sweep_rounds + 1):     # the first round is warm-up
+        batch = batches.rank_batch(step)
+        for cap in caps:                             # the caps take turns, step by step
+            timing.barrier(env.device)
+            if step == 0:                            # warm-up: count the buckets (not timed)
+                with counting.count_collectives() as log:
+                    train_step(models[cap], optimizers[cap], batch)
+                buckets[cap] = log.count("all_reduce")
+            with timing.stopwatch(times[cap], env.device):
+                train_step(models[cap], optimizers[cap], batch)
+        plain_opt.zero_grad(set_to_none=True)
+        timing.barrier(env.device)
+        with timing.stopwatch(parts["forward_s"], env.device):
+            loss = plain(*batch)[1]
+        with timing.stopwatch(parts["backward_s"], env.device):
+            loss.backward()
+        with timing.stopwatch(parts["opt_s"], env.device):
+            plain_opt.step()
+    grad_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    sizes = [2**k for k in range(10, 23, 2)]        # 1 kB .. 4 MB
+    return {"caps_mb": caps, "n_buckets": [buckets[c] for c in caps], "grad_bytes": grad_bytes,
+            "n_params": sum(1 for _ in plain.parameters()),
+            "median_step_s": [timing.step_times(times[c], env.device, warmup=1)["median_step_s"] for c in caps],
+            **{k: timing.step_times(v, env.device, warmup=1)["median_step_s"] for k, v in parts.items()},
+            "allreduce_bytes": sizes, "allreduce_s": allreduce_times(env, sizes, config.sweep_rounds)}
+
+
+# --- benchmark ----------------------------------------------------------------------------------------------------
+
+def benchmark(env, config: Config, impl, batches: Batches) -> dict:
+    variants = {v: wrap(v, impl, new_gpt(config, env), config.bucket_size_mb) for v in ("bucketed", "ddp")}
+    optimizers = {v: torch.optim.SGD(m.parameters(), lr=config.lr) for v, m in variants.items()}
+    for v in variants:                              # warm-up (DDP rebuilds its buckets at its first step)
+        train_step(variants[v], optimizers[v], batches.rank_batch(0))
+    rounds, step = [], 1
+    for r in range(config.rounds):
+        order = ("bucketed", "ddp") if r % 2 == 0 else ("ddp", "bucketed")
+        medians = {}
+        for v in order:
+            times = []
+            for _ in range(config.steps_per_round):
+                batch = batches.rank_batch(step)
+                step += 1
+                timing.barrier(env.device)
+                with timing.stopwatch(times, env.device):
+                    train_step(variants[v], optimizers[v], batch)
+            medians[v] = timing.median(timing.slowest_rank(times, env.device))
+        rounds.append({**medians, "ratio": medians["bucketed"] / medians["ddp"]})
+    # Bytes per step, counted where the collective is called: the students' class through torch.distributed,
+    # DDP's reducer through a communication hook (on a separate copy, so the timed DDP has no Python hook).
+    with counting.count_collectives() as mine:
+        train_step(variants["bucketed"], optimizers["bucketed"], batches.rank_batch(0))
+    counted = DDP(new_gpt(config, env), bucket_cap_mb=config.bucket_size_mb)
+    theirs = counting.count_ddp(counted)
+    opt = torch.optim.SGD(counted.parameters(), lr=config.lr)
+    for _ in range(2):                               # the second step, after DDP's bucket rebuild
+        theirs.reset()
+        train_step(counted, opt, batches.rank_batch(0))
+    return {"rounds": rounds, "median_ratio": statistics.median(r["ratio"] for r in rounds),
+            "median_step_s": {v: statistics.median(r[v] for r in rounds) for v in variants},
+            "bytes_per_step": {"bucketed": mine.bytes("all_reduce"), "ddp": theirs.bytes("all_reduce")},
+            "all_reduces_per_step": {"bucketed": mine.count("all_reduce"), "ddp": theirs.count("all_reduce")},
+            "bus_bytes_per_step": {"bucketed": mine.bus_bytes("all_reduce"), "ddp": theirs.bus_bytes("all_reduce")}}
+
+
+# --- compression hooks -------------------------------------------------------------------------------------------
+
+def compression(env, config: Config, batches: Batches) -> dict:
+    out = {}
+    eval_batch = [batches.rank_batch(10**6 + i) for i in range(2)]
+    for name in ("none", "fp16", "powersgd"):
+        # One bucket: PowerSGD chains its all-reduces in completion callbacks, which gloo runs on its own
+        # threads; with several buckets the ranks can then issue them in different orders (seen here: gloo
+        # aborts with "collective mismatch"). With one bucket there is one chain, the same on every rank.
+        model = DDP(new_gpt(config, env), bucket_cap_mb=COMPRESSION_CAP_MB)
+        if name == "none":
+            log = counting.count_ddp(model)          # DDP's default all-reduce, recorded by a hook
+        elif name == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                start_powerSGD_iter=2)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        losses, per_step = [], []
+        for step in range(config.compression_steps):
+            with counting.count_collectives() as calls:
+                if name == "none":
+                    log.reset()
+                losses.append(train_step(model, optimizer, batches.rank_batch(step)))
+            per_step.append(log.bytes("all_reduce") if name == "none" else calls.bytes("all_reduce"))
+        with torch.no_grad():
+            val = statistics.mean(model.module(*b)[1].item() for b in eval_batch)
+        t = torch.tensor([val], device=env.device)
+        dist.all_reduce(t)
+        out[name] = {"bytes_per_step": per_step, "losses": losses, "final_loss": t.item() / env.world_size}
+    return out
+
+
+def run(env, config: Config) -> dict:
+    impl = SimpleNamespace(
+        DDPIndividualParameters=load_impl(config.individual_impl, ("DDPIndividualParameters",)).DDPIndividualParameters,
+        DDPBucketed=load_impl(config.bucketed_impl, ("DDPBucketed",)).DDPBucketed)
+    batches = Batches(config, env)
+    result = {"threads_per_rank": torch.get_num_threads(), "n_params": new_gpt(config, env).num_params()}
+    parts = {"timeline": lambda: timeline(env, config, impl, batches),
+             "sweep": lambda: sweep(env, config, impl, batches),
+             "benchmark": lambda: benchmark(env, config, impl, batches),
+             "compression": lambda: compression(env, config, batches)}
+    for i, name in enumerate(config.parts):
+        t0 = time.perf_counter()
+        result[name] = parts[name]()
+        result[f"{name}_s"] = time.perf_counter() - t0
+        script.progress(env, i + 1, len(config.parts))
+    if env.is_main and "sweep" in result:
+        s = result["sweep"]
+        s["alpha_s"], s["beta_s_per_byte"] = commcost.fit_alpha_beta(s["allreduce_bytes"], s["allreduce_s"])
+    return result
+
+
+def main() -> None:
+    script.main(Config, run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""Lab 06's graded step: the students' ``DDPIndividualParameters`` and ``DDPBucketed`` on real ranks.
+
+    torchrun --standalone --nproc-per-node 3 -m lablib.runs.ddp_scratch --impl ddp_bucketed_impl.py \\
+        --wrapper bucketed --world-sizes 2,3 --cases mlp,tied --out out.json
+
+One torchrun start checks several world sizes: the job has max(world_sizes) processes, and for world size
+n the first n ranks form a group of their own that stands in as the default group while the student's
+class runs (``default_group``), so code written for ``dist.all_reduce(t)`` without a group argument runs
+on n ranks; the other ranks wait at the next barrier (lab 03 takes turns the same way).
+
+For every world size and every case (a small model; see ``CASES``) the student's wrapper trains
+``steps`` SGD steps, each on a new shuffled global batch split evenly over the ranks. Every rank starts
+from *different* weights (seeded with its rank), so only a wrapper that broadcasts rank 0's parameters
+and buffers can end where the reference does: a single process that trains rank 0's initial model on each
+whole global batch. What the run records, per step (``Recorder``): every collective the student's code
+called, when it was launched and finished, whether it was asynchronous, and when ``loss.backward()``
+returned; so overlap is seen in the order of events, never assumed from a duration.
+
+For ``DDPBucketed`` the module's ``assign_buckets`` is replaced, for the run, by PyTorch's own bucket
+assignment (``torch_bucket_assignment``, the one DDP uses), so the class is graded whatever the
+student's ``assign_buckets`` returns; the sizes it was called with are recorded.
+``probe_case`` is the same look at world size 1 in the notebook's own process: a quick pre-check that fails
+a stub, a missing overlap or a wrong bucket order in a second, before a torchrun start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lablib import checks, script
+from lablib.distenv import DistEnv
+from lablib.exercise import load_module, require_file
+from lablib.models import GPT, GPTConfig
+from lablib.rankcheck import max_abs_diff, weight_spread
+
+WRAPPERS = {"individual": "DDPIndividualParameters", "bucketed": "DDPBucketed"}
+MIB = 2**20
+
+
+# --- the cases: small models, each with the feature it checks -------------------------------------------------
+
+class ToyNet(nn.Module):
+    """d_in -> widths... -> 1 with tanh, a buffer that scales the input (it must be broadcast too), and
+    optionally a frozen first layer and a layer that forward never uses."""
+
+    def __init__(self, d_in=16, widths=(32, 24), frozen_first=False, unused_layer=False):
+        super().__init__()
+        self.register_buffer("input_scale", 1.0 + 0.5 * torch.randn(d_in))   # (d_in,)
+        dims = (d_in, *widths)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.head = nn.Linear(dims[-1], 1)
+        self.unused = nn.Linear(dims[-1], 3) if unused_layer else None
+        if frozen_first:
+            self.layers[0].requires_grad_(False)
+
+    def forward(self, x):                        # x: (batch, d_in) -> (batch, 1)
+        x = x * self.input_scale
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+@dataclass(frozen=True)
+class Case:
+    build: object          # () -> nn.Module (called after seeding)
+    tokens: bool = False   # the model takes token ids (a GPT), else (batch, 16) floats
+    cap_mb: float = 0.0    # DDPBucketed's bucket_size_mb (0: the run's bucket_size_mb)
+    steps: int = 0         # steps (0: the run's steps)
+
+
+def _tiny_gpt():
+    return GPT(GPTConfig(vocab_size=17, block_size=8, n_layer=1, n_head=2, n_embd=16))
+
+
+CASES = {
+    "mlp": Case(lambda: ToyNet()),
+    "tied": Case(_tiny_gpt, tokens=True),                                 # lm_head.weight is wte.weight
+    "frozen": Case(lambda: ToyNet(frozen_first=True)),
+    "uneven": Case(lambda: ToyNet(d_in=16, widths=(200, 3, 60)), cap_mb=2.5e-3),  # 13.6 kB, 12 B, ... in 2.6 kB buckets
+    "tiny_cap": Case(lambda: ToyNet(), cap_mb=1e-6),                      # 1 byte: every parameter alone
+    "one_bucket": Case(lambda: ToyNet(), cap_mb=100.0),                   # everything in one bucket
+    "unused": Case(lambda: ToyNet(unused_layer=True)),                    # a layer that gets no gradient
+    "reshuffled": Case(lambda: ToyNet(widths=(40, 40)), steps=6),         # more steps, a new batch order each
+}
+
+
+def global_batch(case: Case, step: int, world_size: int, per_rank: int, seed: int):
+    """Step's whole batch, identical on every rank, in a new shuffled order every step."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    n = world_size * per_rank
+    order = torch.randperm(n, generator=g)
+    if case.tokens:
+        x = torch.randint(0, 17, (n, 8), generator=g)
+        return x[order], torch.roll(x, -1, dims=1)[order]
+    x = torch.randn(n, 16, generator=g)
+    return x[order], torch.sin(x[:, :4].sum(1, keepdim=True))[order]
+
+
+def loss_of(model, case: Case, x, y):
+    if case.tokens:
+        return model(x, y)[1]
+    return F.mse_loss(model(x), y)
+
+
+# --- recording what the student's code calls ---------------------------------------------------------------------
+
+class Recorder:
+    """Wraps dist.all_reduce and dist.broadcast (both ``torch.distributed`` and ``distributed_c10d``) while
+    active: every call becomes an event {op, bytes, async, launched_s, done_s, phase} with perf_counter times
+    (done_s: when an asynchronous call's future completed; for a blocking call, when it returned). ``phase`` is
+    what the caller set (``init``, ``backward``, ``after_backward``) when the call was launched."""
+
+    NAMES = ("all_reduce", "broadcast")
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.phase = "init"
+
+    @contextlib.contextmanager
+    def active(self):
+        replaced = []
+        for module in (dist, c10d):
+            for name in self.NAMES:
+                original = getattr(module, name)
+                setattr(module, name, self._wrap(name, original))
+                replaced.append((module, name, original))
+        try:
+            yield self
+        finally:
+            for module, name, original in reversed(replaced):
+                setattr(module, name, original)
+
+    def _wrap(self, name, original):
+        def recorded(tensor, *args, **kwargs):
+            asynchronous = bool(kwargs.get("async_op", False) or (len(args) >= 3 and args[2] is True))
+            event = {"op": name, "bytes": tensor.numel() * tensor.element_size(), "async": asynchronous,
+                     "launched_s": time.perf_counter(), "done_s": None, "phase": self.phase}
+            self.events.append(event)
+            work = original(tensor, *args, **kwargs)
+            if work is None:
+                event["done_s"] = time.perf_counter()
+            else:
+                def finished(future, event=event):
+                    event["done_s"] = time.perf_counter()
+                work.get_future().add_done_callback(finished)
+            return work
+        return recorded
+
+
+@contextlib.contextmanager
+def default_group(group):
+    """Let ``group`` stand in as the default process group (None: leave it). Code that calls collectives
+    without a group argument then runs on group's ranks; its ranks are 0..n-1, so ranks agree."""
+    if group is None:
+        yield
+        return
+    world = c10d._world
+    saved = world.default_pg
+    world.default_pg = group
+    try:
+        yield
+    finally:
+        world.default_pg = saved
+
+
+def torch_bucket_assignment(calls: list):
+    """An ``assign_buckets(param_bytes, bucket_size_mb)`` that answers with PyTorch's own assignment (DDP's:
+    parameters in the given order, a bucket closed once it holds at least the cap) and records its calls."""
+    def assign_buckets(param_bytes, bucket_size_mb):
+        sizes = [int(b) for b in param_bytes]
+        calls.append({"param_bytes": sizes, "bucket_size_mb": float(bucket_size_mb)})
+        tensors = [torch.empty(max(1, b // 4)) for b in sizes]
+        buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [max(1, int(bucket_size_mb * MIB))])
+        return sorted((list(b) for b in buckets), key=min)
+    return assign_buckets
+
+
+def load_impl(path: str, required: tuple[str, ...] = ()):
+    """The exercise module at path, loaded fresh, with its folder importable: exercise 3's module imports
+    exercise 2's ``assign_buckets`` from ``buckets_impl.py`` beside it. Modules from that folder loaded
+    earlier (an older ``buckets_impl``) are dropped first, so the file as last written is what runs."""
+    folder = str(require_file(path).parent)
+    for name, module in list(sys.modules.items()):
+        if os.path.dirname(str(getattr(module, "__file__", "") or "")) == folder:
+            del sys.modules[name]
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return load_module(path, required=required)
+
+
+def unique_trainable(model: nn.Module) -> list[torch.nn.Parameter]:
+    """Trainable parameters, each once (a tied weight is one parameter), in registration order."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def probe_case(impl, wrapper: str, case_name: str, env, group=None, steps: int | None = None,
+               bucket_size_mb: float = 0.05, per_rank: int = 8, seed: int = 0) -> dict:
+    """Train the student's wrapper on one case on group's ranks (world size 1 in a notebook) and record it.
+
+    Returns what the checks compare: the broadcast bytes at construction against the model's parameter and
+    buffer bytes, whether ``.module`` and ``parameters()`` are the model's, per step the all-reduces (bytes,
+    async, launched before ``backward()`` returned), the calls to assign_buckets, the buckets PyTorch would
+    form, and on rank 0 the distance of the trained weights from the single-process reference.
+    """
+    case = CASES[case_name]
+    steps = case.steps or steps or 3
+    cap = case.cap_mb or bucket_size_mb
+    world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    torch.manual_seed(seed * 100 + 1 + rank)              # every rank starts from different weights...
+    model = case.build().to(env.device)
+    torch.manual_seed(seed * 100 + 1)                     # ...and rank 0's are the reference's
+    reference = case.build().to(env.device)
+    out = {"case": case_name, "world_size": world_size, "steps": steps, "cap_mb": cap, "error": None}
+    recorder, assign_calls = Recorder(), []
+    if wrapper == "bucketed":
+        impl.assign_buckets = torch_bucket_assignment(assign_calls)
+        ready = [p.numel() * p.element_size() for p in reversed(unique_trainable(model))]
+        out["expected_param_bytes"] = ready
+        expected = torch_bucket_assignment([])(ready, cap)
+        out["expected_bucket_bytes"] = sorted(sum(ready[i] for i in b) for b in expected)
+    out["n_trainable"] = len(unique_trainable(model))
+    out["state_bytes"] = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    steps_out = []
+    try:
+        with default_group(group), recorder.active():
+            ddp = getattr(impl, WRAPPERS[wrapper])(model, cap) if wrapper == "bucketed" else \
+                getattr(impl, WRAPPERS[wrapper])(model)
+            out["broadcast_bytes"] = sum(e["bytes"] for e in recorder.events if e["op"] == "broadcast")
+            out["module_is_model"] = getattr(ddp, "module", None) is model
+            out["parameters_are_model_s"] = [id(p) for p in ddp.parameters()] == [id(p) for p in model.parameters()]
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for step in range(steps):
+                x, y = global_batch(case, step, world_size, per_rank, seed)
+                xr, yr = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+                optimizer.zero_grad(set_to_none=True)
+                first = len(recorder.events)
+                recorder.phase = "backward"
+                loss_of(ddp, case, xr.to(env.device), yr.to(env.device)).backward()
+                backward_done = time.perf_counter()
+                with_grad = sum(p.grad is not None for p in unique_trainable(model))
+                recorder.phase = "after_backward"
+                ddp.finish_gradient_synchronization()
+                recorder.phase = "step"
+                optimizer.step()
+                events = recorder.events[first:]
+                reduces = [e for e in events if e["op"] == "all_reduce"]
+                steps_out.append({"all_reduce_bytes": [e["bytes"] for e in reduces],
+                                  "all_async": all(e["async"] for e in reduces),
+                                  "launched_before_backward_returned": sum(e["launched_s"] < backward_done for e in reduces),
+                                  "n_all_reduce": len(reduces), "params_with_grad": with_grad})
+        # Reference: rank 0's initial weights trained by one process on each whole global batch.
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for step in range(steps):
+            x, y = global_batch(case, step, world_size, per_rank, seed)
+            ref_opt.zero_grad(set_to_none=True)
+            loss_of(reference, case, x.to(env.device), y.to(env.device)).backward()
+            ref_opt.step()
+        out["max_abs_diff_vs_single_process"] = max_abs_diff(model, reference)
+        out["max_abs_weight"] = max(p.abs().max().item() for p in reference.parameters())
+        out["buffers_equal_reference"] = all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
+        with default_group(group):
+            out["weight_spread_across_ranks"] = weight_spread(model, env)   # 0.0: bit-identical on every rank
+    except Exception as exc:  # noqa: BLE001 - a wrong answer is a result to report, not a crash of the run
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["steps_recorded"] = steps_out
+    out["assign_calls"] = assign_calls
+    return out
+
+
+def probe_without_processes(impl, wrapper: str, cases=("mlp", "tied", "unused")) -> list[dict]:
+    """probe_case at world size 1 in this process (a gloo group of one, torn down after): a quick look
+    before a real run, never a replacement for it."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+        return [probe_case(impl, wrapper, case, env, steps=2) for case in cases]
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def check_probe(r, wrapper: str) -> None:
+    """The graded checks of one probe_case result (at any world size); each failure says what and why."""
+    where = f"{WRAPPERS[wrapper]} on {r['world_size']} rank(s), case '{r['case']}'"
+    if r["error"] is not None:
+        refused = (wrapper == "bucketed" and r["case"] == "unused" and not r["error"].startswith("NotImplementedError")
+                   and any(w in r["error"].lower() for w in ("unused", "no grad", "did not receive")))
+        checks.check_true(refused, f"{where}: raised {r['error']}",
+                          hint="the traceback names the line; a parameter without a gradient must be handled or "
+                               "refused with an error that says so, never a hang")
+        return
+    checks.check_true(r["module_is_model"], f"{where}: .module must be the wrapped model itself")
+    checks.check_true(r["parameters_are_model_s"], f"{where}: parameters() must be the module's parameters, in order",
+                      hint="register the model as a submodule (self.module = module) and no parameters of your own")
+    checks.check_true(not 0 < r["broadcast_bytes"] < r["state_bytes"],
+                      f"{where}: broadcast {r['broadcast_bytes']} of the model's {r['state_bytes']} bytes of "
+                      f"parameters and buffers", hint="broadcast every parameter (frozen ones too) and every buffer")
+    for i, step in enumerate(r["steps_recorded"]):
+        at = f"{where}, step {i}"
+        checks.check_true(step["n_all_reduce"] > 0, f"{at}: no all-reduce was called",
+                          hint="all-reduce with dist.all_reduce, even on one rank")
+        checks.check_true(step["all_async"], f"{at}: an all-reduce was blocking",
+                          hint="start it with async_op=True and wait for the handle in finish_gradient_synchronization")
+        if r["case"] != "unused":
+            checks.check_equal(step["launched_before_backward_returned"], step["n_all_reduce"],
+                               f"{at}: all-reduces launched before loss.backward() returned (no overlap otherwise)",
+                               hint="launch from a hook that runs inside backward (register_post_accumulate_grad_hook)")
+        if wrapper == "individual":
+            checks.check_equal(step["n_all_reduce"], step["params_with_grad"],
+                               f"{at}: all-reduces per step (one per parameter with a gradient; a tied weight is one)",
+                               hint="register one hook per distinct trainable parameter")
+        else:
+            checks.check_equal(sorted(step["all_reduce_bytes"]), r["expected_bucket_bytes"],
+                               f"{at}: bytes of each bucket's all-reduce (one flat buffer per bucket)",
+                               hint="for this check assign_buckets is PyTorch's own assignment; use what it returns")
+    if wrapper == "bucketed":
+        checks.check_equal([c["param_bytes"] for c in r["assign_calls"]], [r["expected_param_bytes"]],
+                           f"{where}: assign_buckets calls (sizes in bytes, in the order gradients become ready)",
+                           hint="call it once, with the trainable parameters in reverse registration order")
+    checks.check_close(r["max_abs_diff_vs_single_process"], 0.0,
+                       f"{where}: max |w - w_single-process| after {r['steps']} steps",
+                       atol=1e-5 * max(1.0, r["max_abs_weight"]),
+                       hint="rank 0's initial state on every rank, then the mean (not the sum) of the gradients")
+    checks.check_equal(r["weight_spread_across_ranks"], 0.0, f"{where}: weights must be identical on every rank")
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    impl: str = "ddp_individual_impl.py"  # the module file the notebook's exercise cell writes
+    wrapper: str = "individual"          # individual (DDPIndividualParameters) or bucketed (DDPBucketed)
+    world_sizes: tuple[int, ...] = (2,)  # each checked in turn; start the job with max(world_sizes) ranks
+    cases: tuple[str, ...] = ("mlp",)
+    bucket_size_mb: float = 0.002        # DDPBucketed's cap where a case sets none (2 kB: several buckets)
+    steps: int = 3
+    per_rank: int = 8                    # samples per rank per step
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.wrapper not in WRAPPERS:
+            raise ValueError(f"wrapper={self.wrapper!r} must be one of {sorted(WRAPPERS)}")
+        unknown = [c for c in self.cases if c not in CASES]
+        if unknown or not self.cases:
+            raise ValueError(f"cases={self.cases}: unknown {unknown}; known cases are {sorted(CASES)}")
+        if not self.world_sizes or min(self.world_sizes) < 1:
+            raise ValueError(f"world_sizes={self.world_sizes} must be positive integers, e.g. (2, 3)")
+        if self.bucket_size_mb <= 0 or self.steps < 1 or self.per_rank < 1:
+            raise ValueError(f"bucket_size_mb={self.bucket_size_mb}, steps={self.steps} and per_rank={self.per_rank} "
+                             f"must be positive")
+        require_file(self.impl)
+
+    def validate_world(self, world_size: int) -> None:
+        if world_size != max(self.world_sizes):
+            raise ValueError(f"world_sizes={self.world_sizes} need exactly {max(self.world_sizes)} processes, got "
+                             f"{world_size}; start it with nproc={max(self.world_sizes)}")
+
+
+def run(env, config: Config) -> dict:
+    impl = load_impl(config.impl, required=(WRAPPERS[config.wrapper],))
+    # Every rank creates every group in the same order (new_group is collective).
+    groups = {n: dist.new_group(list(range(n))) if n < env.world_size else None for n in config.world_sizes}
+    results = {}
+    for i, n in enumerate(config.world_sizes):
+        for case in config.cases:
+            if env.rank < n:   # the other ranks go on to the barrier and wait there
+                results[f"{n}:{case}"] = probe_case(impl, config.wrapper, case, env, groups[n], steps=config.steps,
+                                                    bucket_size_mb=config.bucket_size_mb, per_rank=config.per_rank,
+                                                    seed=config.seed)
+            dist.barrier()
+        script.progress(env, i + 1, len(config.world_sizes))
+    return {"runs": results if env.is_main else {}}
+
+
+def main() -> None:
+    script.main(Config, run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Lab 06's run scripts: ddp_scratch (the graded probe of the students' DDP classes) and ddp_overlap (the
+measurements). Pure pieces on numbers, the probe at world size 1 in this process, then one real torchrun run.
+
+The implementations below are the test's own, written for these tests (a compact all-after-backward wrapper
+and a hook-based one): the probe must tell them apart by the order of events.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lablib import config as cfg
+from lablib import launch
+from lablib.runs import ddp_overlap, ddp_scratch
+
+HOOKED = '''
+import torch, torch.distributed as dist
+
+
+class DDPIndividualParameters(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.pending = module, []
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, 0)
+        n = dist.get_world_size()
+
+        def hook(p):
+            p.grad.mul_(1.0 / n)
+            self.pending.append(dist.all_reduce(p.grad, async_op=True))
+        for p in {id(q): q for q in module.parameters() if q.requires_grad}.values():
+            p.register_post_accumulate_grad_hook(hook)
+
+    def forward(self, *a, **k):
+        return self.module(*a, **k)
+
+    def finish_gradient_synchronization(self):
+        while self.pending:
+            self.pending.pop().wait()
+'''
+
+AFTER_BACKWARD = HOOKED.replace("p.register_post_accumulate_grad_hook(hook)", "pass").replace(
+    "        while self.pending:", "        for p in self.module.parameters():\n"
+    "            if p.grad is not None:\n"
+    "                p.grad.mul_(1.0 / dist.get_world_size())\n"
+    "                self.pending.append(dist.all_reduce(p.grad, async_op=True))\n"
+    "        while self.pending:")
+
+
+def _impl(tmp_path, source, name="individual_impl.py"):
+    path = tmp_path / name
+    path.write_text(source)
+    return ddp_scratch.load_impl(str(path), ("DDPIndividualParameters",)), path
+
+
+def test_torch_bucket_assignment_is_ddps_and_records_its_calls():
+    calls = []
+    assign = ddp_scratch.torch_bucket_assignment(calls)
+    # DDP closes a bucket once it reaches the cap: the 40-byte tensor joins the 4-byte one at a 16-byte cap.
+    assert assign([4, 40, 8, 8, 8], 16 / 2**20) == [[0, 1], [2, 3], [4]]
+    assert assign([8, 8], 100.0) == [[0, 1]]
+    assert calls[0] == {"param_bytes": [4, 40, 8, 8, 8], "bucket_size_mb": 16 / 2**20}
+
+
+def test_overlap_fraction_uses_ddps_definition():
+    comm = [(1.0, 2.0), (2.0, 5.0)]                 # communication from t=1 to t=5
+    assert ddp_overlap.overlap_fraction(comm, 3.0) == pytest.approx(0.5)
+    assert ddp_overlap.overlap_fraction(comm, 0.5) == 0.0
+    assert ddp_overlap.overlap_fraction(comm, 9.0) == 1.0
+
+
+def test_probe_sees_overlap_and_the_tied_weight_once(tmp_path):
+    impl, _ = _impl(tmp_path, HOOKED)
+    for r in ddp_scratch.probe_without_processes(impl, "individual", ("mlp", "tied", "frozen", "unused")):
+        ddp_scratch.check_probe(r, "individual")
+        assert r["world_size"] == 1 and r["steps_recorded"]
+
+
+def test_probe_fails_an_all_reduce_after_backward(tmp_path):
+    impl, _ = _impl(tmp_path, AFTER_BACKWARD, "after_impl.py")
+    r = ddp_scratch.probe_without_processes(impl, "individual", ("mlp",))[0]
+    assert r["error"] is None and r["max_abs_diff_vs_single_process"] < 1e-6   # right numbers...
+    with pytest.raises(AssertionError, match="launched before loss.backward"):  # ...no overlap
+        ddp_scratch.check_probe(r, "individual")
+
+
+def test_probe_reports_a_stub_as_an_error(tmp_path):
+    stub = "class DDPIndividualParameters:\n    def __init__(self, module):\n        raise NotImplementedError()\n"
+    impl, _ = _impl(tmp_path, stub, "stub_impl.py")
+    r = ddp_scratch.probe_without_processes(impl, "individual", ("mlp",))[0]
+    assert r["error"].startswith("NotImplementedError")
+    with pytest.raises(AssertionError, match="raised NotImplementedError"):
+        ddp_scratch.check_probe(r, "individual")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"wrapper": "zero"}, "wrapper="),
+    ({"cases": ("mlp", "nope")}, "unknown"),
+    ({"bucket_size_mb": 0.0}, "must be positive"),
+    ({"impl": "no_such_file.py"}, "does not exist"),
+])
+def test_scratch_config_is_validated_up_front(options, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        cfg.from_options(ddp_scratch.Config, options)
+
+
+def test_overlap_config_is_validated_up_front(tmp_path):
+    with pytest.raises(ValueError, match="at least 11"):
+        cfg.from_options(ddp_overlap.Config, {"timeline_steps": 5})
+    with pytest.raises(ValueError, match="each must be one of"):
+        cfg.from_options(ddp_overlap.Config, {"parts": ("gantt",)})
+
+
+@pytest.mark.slow
+def test_real_ranks_take_turns_at_two_world_sizes(tmp_path, monkeypatch):
+    """One 3-rank job checks world sizes 2 and 3 (the default group swapped for a sub-group): the hooked
+    wrapper ends where one process does, identical on every rank, all-reduces launched during backward."""
+    _, path = _impl(tmp_path, HOOKED)
+    monkeypatch.chdir(tmp_path)
+    result = launch.run("ddp_scratch", {"impl": str(path), "wrapper": "individual", "world_sizes": (2, 3),
+                                        "cases": ("mlp", "frozen")}, nproc=3, timeout_s=240, quiet=True,
+                        show_progress=False)
+    runs = result.metrics.runs
+    assert sorted(runs) == ["2:frozen", "2:mlp", "3:frozen", "3:mlp"]
+    for r in runs.values():
+        ddp_scratch.check_probe(r, "individual")
+    assert runs["3:mlp"].world_size == 3 and runs["2:mlp"].world_size == 2
