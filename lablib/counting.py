@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -81,10 +82,14 @@ def bus_factor(name: str, world_size: int) -> float:
     raise ValueError(f"unknown collective {name!r}; known: {sorted(set(COURSE_NAMES.values()))}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Call:
     """One recorded call: the course's ``name``, torch's ``function``, the message size ``bytes`` (S, see the
-    module docstring), the ranks in its group, ``bus_bytes`` = S x bus_factor, and the peer of a send/recv."""
+    module docstring), the ranks in its group, ``bus_bytes`` = S x bus_factor, the peer of a send/recv, and
+    when it ran (``time.perf_counter`` seconds): ``launched_s`` when it was called, ``done_s`` when it
+    returned or, for an asynchronous call (``async_op=True``, isend/irecv), when its work completed (None
+    while pending, or when the backend's work has no future). ``phase`` is the log's ``phase`` at launch (a
+    label the caller sets, e.g. "backward"), for timelines."""
 
     name: str
     bytes: int
@@ -92,17 +97,24 @@ class Call:
     bus_bytes: float
     function: str
     peer: int | None = None
+    launched_s: float | None = None
+    done_s: float | None = None
+    asynchronous: bool = False
+    phase: str | None = None
 
 
 @dataclass
 class CollectiveLog:
-    """The calls recorded while a ``count_collectives`` block (or a ``count_ddp`` hook) was active."""
+    """The calls recorded while a ``count_collectives`` block (or a ``count_ddp`` hook) was active.
+    Set ``phase`` to label the calls launched from then on."""
 
     calls: list[Call] = field(default_factory=list)
+    phase: str | None = None
 
     def record(self, name: str, n_bytes: int, world_size: int, function: str | None = None,
                peer: int | None = None) -> Call:
-        call = Call(name, int(n_bytes), world_size, n_bytes * bus_factor(name, world_size), function or name, peer)
+        call = Call(name, int(n_bytes), world_size, n_bytes * bus_factor(name, world_size), function or name, peer,
+                    launched_s=time.perf_counter(), phase=self.phase)
         self.calls.append(call)
         return call
 
@@ -185,6 +197,18 @@ def _peer(function: str, a: dict) -> int | None:
     return None
 
 
+def _mark_done(call: Call, result) -> None:
+    """done_s now for a blocking call; when its work's future completes for an asynchronous one."""
+    if not hasattr(result, "get_future"):
+        call.done_s = time.perf_counter()
+        return
+    call.asynchronous = True
+    try:
+        result.get_future().add_done_callback(lambda _, c=call: setattr(c, "done_s", time.perf_counter()))
+    except RuntimeError:             # a backend whose work has no future (done_s stays None)
+        pass
+
+
 @contextlib.contextmanager
 def count_collectives(log: CollectiveLog | None = None) -> Iterator[CollectiveLog]:
     """Record every torch.distributed communication call made inside the block (in this process).
@@ -207,13 +231,18 @@ def count_collectives(log: CollectiveLog | None = None) -> Iterator[CollectiveLo
                     bound = _signature.bind_partial(*args, **kwargs).arguments
                 except TypeError:          # a wrong call: torch's own error says what is wrong with it
                     bound = None
+                call = None
                 if _depth() == 0 and bound is not None:
                     group = bound.get("group")
                     world = dist.get_world_size(group) if dist.is_initialized() else 1
                     name = COURSE_NAMES[_function]
-                    log.record(name, _message(_function, bound, world), world, _function, _peer(_function, bound))
+                    call = log.record(name, _message(_function, bound, world), world, _function,
+                                      _peer(_function, bound))
                 with uncounted():
-                    return _original(*args, **kwargs)
+                    result = _original(*args, **kwargs)
+                if call is not None:
+                    _mark_done(call, result)
+                return result
 
             counting._lablib_counting = True
             setattr(module, function, counting)
@@ -236,10 +265,17 @@ def count_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, log: Collect
 
     def counting_allreduce(process_group, bucket):
         buffer = bucket.buffer()
-        log.record("all_reduce", buffer.numel() * buffer.element_size(), dist.get_world_size(process_group),
-                   "ddp_bucket")
+        call = log.record("all_reduce", buffer.numel() * buffer.element_size(), dist.get_world_size(process_group),
+                          "ddp_bucket")
+        call.asynchronous = True
         with uncounted():
-            return default_hooks.allreduce_hook(process_group, bucket)
+            future = default_hooks.allreduce_hook(process_group, bucket)
+
+        def done(f):                  # runs when the bucket's all-reduce is complete (gloo: on its thread)
+            call.done_s = time.perf_counter()
+            return f.value()
+
+        return future.then(done)
 
     # The hook's state is the group DDP reduces over, so a DDP model on a sub-group keeps using it.
     ddp_model.register_comm_hook(state=ddp_model.process_group, hook=counting_allreduce)

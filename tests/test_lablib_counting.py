@@ -59,3 +59,8 @@ def test_every_collective_and_ddp_on_two_ranks():
     # DDP's C++ reducer: one bucket, recorded by the hook, and its hook's own all-reduce not a second time
     assert out["ddp_hook"] == {"all_reduce": 1} and out["ddp_bytes"] == 4 * (8 * 8 + 8)
     assert out["ddp_seen_by_wrapper"] == {}
+    # when: a bucket's all-reduce is launched and done during the backward (it returns after it), and an
+    # asynchronous call is done when its work completes
+    assert out["ddp_bucket"] == {"phase": "backward", "asynchronous": True, "in_order": True}
+    assert out["async"] == {"asynchronous": True, "phase": "async", "done": True}
+    assert all(c["launched_s"] <= c["done_s"] for c in out["calls"] if not c["asynchronous"])

@@ -1,6 +1,7 @@
 """Every collective the course counts, on 2 ranks, through lablib.counting (tests/test_lablib_counting.py)."""
 
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,22 @@ with counting.count_collectives() as fsdp:
 ddp = DDP(torch.nn.Linear(8, 8))
 with counting.count_collectives() as wrapper:
     hook = counting.count_ddp(ddp)
+    hook.phase = "backward"
     ddp(torch.randn(4, 8)).sum().backward()
+    backward_returned = time.perf_counter()
+    hook.phase = None
+    async_log = counting.CollectiveLog(phase="async")
+with counting.count_collectives(async_log):
+    work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+    work.wait()
+    time.sleep(0.05)                                      # the future's callback runs on gloo's thread
+bucket = hook.calls[0]
 if rank == 0:
     print(json.dumps({"calls": calls, "fsdp": fsdp.counts(), "ddp_hook": hook.counts(), "ddp_bytes": hook.bytes(),
-                      "ddp_seen_by_wrapper": wrapper.counts()}))
+                      "ddp_seen_by_wrapper": wrapper.counts(),
+                      "ddp_bucket": {"phase": bucket.phase, "asynchronous": bucket.asynchronous,
+                                     "in_order": bucket.launched_s <= bucket.done_s <= backward_returned},
+                      "async": {k: getattr(async_log.calls[0], k) for k in ("asynchronous", "phase")}
+                      | {"done": async_log.calls[0].done_s is not None
+                         and async_log.calls[0].done_s >= async_log.calls[0].launched_s}}))
 dist.destroy_process_group()
