@@ -1,0 +1,259 @@
+"""Lab 00's distributed step: every collective the course uses, each rank's tensor before and after, the
+bytes the course counts for it, and its bus bandwidth on gloo over message sizes.
+
+    torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 2,3,4 --out out.json
+    torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 4 \\
+        --bench_bytes 4096,65536,1048576 --bench_ranks 2 --out bench.json
+
+- pictures (for each of ``world_sizes``; ranks 0..w-1 form a gloo sub-group, the others wait, so several
+  world sizes cost one torchrun start): rank r starts with ``[10 r, 10 r + 1, ...]`` (``per_rank`` x w
+  elements; every value says where it came from) and runs broadcast, reduce, all_reduce, all_gather, reduce_scatter,
+  all_to_all (``all_to_all_single``, also with uneven splits), scatter, gather, send/recv and a barrier
+  (ranks arrive at different times). Rank 0 gathers each rank's input and output, and what
+  ``lablib.counting`` recorded for the call (message size S, bus bytes).
+  It also tries ``reduce_scatter_tensor`` on an input that does not divide by the world size, and
+  ``all_to_all_single`` with splits that do not add up, and keeps the errors PyTorch raises.
+- benchmark (``bench_bytes``, message sizes S in bytes, float32): each collective on the first
+  ``bench_ranks`` ranks, interleaved, ``repeats`` times after a warm-up; a repetition's time is the slowest
+  rank's (``lablib.timing``). Ranks outside the timed group wait in a barrier (on gloo a waiting rank
+  sleeps in a socket read, it does not spin).
+
+The tensors live on the CPU and travel through gloo on every machine (a gloo group is made next to an
+NCCL default group): the lab is about gloo's behaviour, and one backend keeps the numbers comparable.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lablib import counting, script, timing
+from lablib.rankcheck import gather_objects
+
+# The course's names, in the order the lab teaches them.
+COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",
+               "gather", "send_recv", "barrier")
+TIMED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
+
+
+@dataclass(frozen=True)
+class Config:
+    world_sizes: tuple[int, ...] = ()       # world sizes to draw (empty: every rank started)
+    per_rank: int = 1                       # a rank's tensor holds per_rank x world_size elements
+    bench_bytes: tuple[int, ...] = ()       # message sizes S to time (empty: no benchmark)
+    bench_ranks: int = 2                    # ranks in the timed group
+    repeats: int = 5                        # timed repetitions per size and collective
+    barrier_delay_s: float = 0.05           # rank r reaches the barrier r x this late
+
+    def validate(self) -> None:
+        if self.per_rank < 1 or any(w < 1 for w in self.world_sizes):
+            raise ValueError(f"per_rank={self.per_rank} and world_sizes={self.world_sizes} must be positive")
+        if any(b < 4 or b % 4 for b in self.bench_bytes):
+            raise ValueError(f"bench_bytes={self.bench_bytes}: float32 messages need a multiple of 4 bytes")
+        if self.bench_ranks < 2 or self.repeats < 1 or self.barrier_delay_s < 0:
+            raise ValueError(f"bench_ranks={self.bench_ranks} must be >= 2, repeats={self.repeats} >= 1, "
+                             f"barrier_delay_s={self.barrier_delay_s} >= 0")
+
+    def validate_world(self, world_size: int) -> None:
+        needed = max((*self.world_sizes, self.bench_ranks if self.bench_bytes else 1))
+        if needed > world_size:
+            raise ValueError(f"world_sizes={self.world_sizes} / bench_ranks={self.bench_ranks} need {needed} "
+                             f"ranks, but {world_size} were started; start nproc={needed}")
+
+
+def uneven_splits(n: int) -> list[list[int]]:
+    """splits[r][s]: how many elements rank r sends to rank s in the uneven all_to_all (1 or 2)."""
+    return [[1 + (r + s) % 2 for s in range(n)] for r in range(n)]
+
+
+def start_tensor(rank: int, numel: int) -> torch.Tensor:
+    """[10 r, 10 r + 1, ...]: each value names the rank it started on."""
+    return torch.arange(numel, dtype=torch.float32) + 10 * rank
+
+
+def one_rank(name: str, rank: int, n: int, numel: int, group, delay_s: float):
+    """(input or None, output or None, extra) of this rank for one collective of the group."""
+    x = start_tensor(rank, numel)
+    if name == "broadcast":
+        out = x.clone()
+        dist.broadcast(out, src=0, group=group)
+        return x, out, {}
+    if name == "reduce":
+        out = x.clone()
+        dist.reduce(out, dst=0, group=group)
+        return x, out if rank == 0 else None, {"undefined_on": "every rank but the destination"}
+    if name == "all_reduce":
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return x, out, {}
+    if name == "all_gather":
+        out = torch.empty(n * numel)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return x, out, {}
+    if name == "reduce_scatter":
+        out = torch.empty(numel // n)
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return x, out, {}
+    if name == "all_to_all":
+        out = torch.empty(numel)
+        dist.all_to_all_single(out, x, group=group)
+        return x, out, {}
+    if name == "all_to_all_uneven":
+        splits = uneven_splits(n)
+        send = splits[rank]
+        receive = [splits[s][rank] for s in range(n)]
+        x = start_tensor(rank, sum(send))
+        out = torch.empty(sum(receive))
+        dist.all_to_all_single(out, x, output_split_sizes=receive, input_split_sizes=send, group=group)
+        return x, out, {"splits": splits}
+    if name == "scatter":
+        out = torch.empty(numel // n)
+        dist.scatter(out, list(x.chunk(n)) if rank == 0 else None, src=0, group=group)
+        return x if rank == 0 else None, out, {}
+    if name == "gather":
+        out = [torch.empty(numel) for _ in range(n)] if rank == 0 else None
+        dist.gather(x, out, dst=0, group=group)
+        return x, torch.cat(out) if rank == 0 else None, {}
+    if name == "send_recv":
+        # pairs (0 -> 1), (2 -> 3), ...; an odd last rank sits out. The group's ranks 0..n-1 are the global ones.
+        out = x.clone()
+        if rank % 2 == 0 and rank + 1 < n:
+            dist.send(x, dst=rank + 1, group=group)
+        elif rank % 2 == 1:
+            dist.recv(out, src=rank - 1, group=group)
+        return x, out, {"pairs": [[r, r + 1] for r in range(0, n - 1, 2)]}
+    if name == "barrier":
+        dist.barrier(group=group)
+        t0 = time.time()
+        time.sleep(rank * delay_s)
+        arrived = time.time() - t0
+        dist.barrier(group=group)
+        return x, x.clone(), {"arrived_s": arrived, "left_s": time.time() - t0}
+    raise ValueError(f"unknown collective {name!r}")
+
+
+def expected_errors(rank: int, n: int, group) -> dict:
+    """What PyTorch says when the inputs cannot go through the collective (checked before any byte moves,
+    the same on every rank, so the group stays usable)."""
+    errors = {}
+    try:
+        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(n + 1), group=group)
+        errors["reduce_scatter_not_divisible"] = ""
+    except (RuntimeError, ValueError) as exc:
+        errors["reduce_scatter_not_divisible"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+    try:
+        dist.all_to_all_single(torch.empty(n), torch.ones(n), output_split_sizes=[1] * n,
+                               input_split_sizes=[2] * n, group=group)
+        errors["all_to_all_splits_do_not_add_up"] = ""
+    except (RuntimeError, ValueError) as exc:
+        errors["all_to_all_splits_do_not_add_up"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+    return errors
+
+
+def pictures(env, config: Config, world_size: int, default_group) -> dict | None:
+    """Every collective on ranks 0..world_size-1; rank 0 returns {name: per-rank inputs/outputs, counts}."""
+    sub = default_group if world_size == env.world_size else dist.new_group(list(range(world_size)), backend="gloo")
+    member = env.rank < world_size
+    numel = config.per_rank * world_size
+    result = {}
+    for name in (*COLLECTIVES, "all_to_all_uneven"):
+        mine = None
+        if member:
+            with counting.count_collectives() as log:
+                before, after, extra = one_rank(name, env.rank, world_size, numel, sub, config.barrier_delay_s)
+            mine = {"before": None if before is None else before.tolist(),
+                    "after": None if after is None else after.tolist(), "extra": extra,
+                    "calls": [{"name": c.name, "bytes": c.bytes, "world_size": c.world_size, "bus_bytes": c.bus_bytes}
+                              for c in log.calls]}
+        per_rank = [r for r in gather_objects(mine, env, group=default_group) if r is not None]
+        if env.is_main:
+            result[name] = {"before": [r["before"] for r in per_rank], "after": [r["after"] for r in per_rank],
+                            "calls": [r["calls"] for r in per_rank], **per_rank[0]["extra"]}
+            if name == "barrier":
+                result[name]["arrived_s"] = [r["extra"]["arrived_s"] for r in per_rank]
+                result[name]["left_s"] = [r["extra"]["left_s"] for r in per_rank]
+    errors = expected_errors(env.rank, world_size, sub) if member else None
+    gathered = gather_objects(errors, env, group=default_group)
+    if not env.is_main:
+        return None
+    return {"world_size": world_size, "numel": numel, "collectives": result, "errors": gathered[0]}
+
+
+def timed_call(name: str, x: torch.Tensor, out: dict, n: int, group) -> None:
+    if name == "all_reduce":
+        dist.all_reduce(x, group=group)
+    elif name == "all_gather":                        # S = the gathered output, n x the input
+        dist.all_gather_into_tensor(out["all_gather"], x[: x.numel() // n], group=group)
+    elif name == "reduce_scatter":                    # S = the full input
+        dist.reduce_scatter_tensor(out["reduce_scatter"], x, group=group)
+    elif name == "all_to_all":
+        dist.all_to_all_single(out["all_to_all"], x, group=group)
+    elif name == "broadcast":
+        dist.broadcast(x, src=0, group=group)
+    elif name == "reduce":
+        dist.reduce(x, dst=0, group=group)
+
+
+def benchmark(env, config: Config) -> dict | None:
+    """Median time (slowest rank) of each collective for each message size S on the first bench_ranks ranks."""
+    n = config.bench_ranks
+    group = dist.new_group(list(range(n)), backend="gloo")
+    result = {name: {"median_s": [], "bus_bytes": []} for name in TIMED}
+    if env.rank < n:
+        for k, n_bytes in enumerate(config.bench_bytes):
+            numel = n_bytes // 4 // n * n              # divisible by n: reduce_scatter and all_to_all split it
+            x = torch.randn(numel)
+            out = {"all_gather": torch.empty(numel), "reduce_scatter": torch.empty(numel // n),
+                   "all_to_all": torch.empty(numel)}
+            times = {name: [] for name in TIMED}
+            for rep in range(config.repeats + 1):      # repetition 0 is a warm-up
+                for name in TIMED:                      # interleaved: every collective sees the same noise
+                    buf = x.clone()
+                    timing.barrier(torch.device("cpu"), group=group)
+                    with counting.count_collectives() as log, timing.stopwatch(times[name], torch.device("cpu")):
+                        timed_call(name, buf, out, n, group)
+                    if rep == 0:
+                        times[name].clear()
+                        result[name]["bus_bytes"].append(log.calls[0].bus_bytes)
+                        result[name].setdefault("bytes", []).append(log.calls[0].bytes)
+            for name in TIMED:
+                result[name]["median_s"].append(
+                    timing.step_times(times[name], torch.device("cpu"), group=group)["median_step_s"])
+            if env.rank == 0:
+                script.progress(env, k + 1, len(config.bench_bytes), MB=n_bytes / 1e6)
+    dist.barrier()                                     # the ranks outside the timed group wait here
+    if not env.is_main:
+        return None
+    return {"world_size": n, "n_bytes": [n_bytes // 4 // n * n * 4 for n_bytes in config.bench_bytes],
+            "bus_factor": {name: counting.bus_factor(name, n) for name in TIMED}, **result}
+
+
+def run(env, config: Config) -> dict:
+    # CPU tensors through gloo on every machine (see the module docstring).
+    default_group = None if env.backend == "gloo" else dist.new_group(backend="gloo")
+    result = {"pictures": {}}
+    for world_size in config.world_sizes or (env.world_size,):
+        drawn = pictures(env, config, world_size, default_group)
+        if env.is_main:
+            result["pictures"][world_size] = drawn
+    if env.is_main:
+        print(f"ran {len(COLLECTIVES)} collectives on {', '.join(map(str, result['pictures']))} ranks "
+              f"({config.per_rank} float32 element(s) per rank of the group on each rank)")
+    if config.bench_bytes:
+        bench = benchmark(env, config)
+        if env.is_main:
+            result["bench"] = bench
+            print(f"timed {len(TIMED)} collectives on {config.bench_ranks} ranks for {len(config.bench_bytes)} "
+                  f"message sizes, {config.repeats} repetitions each")
+    return result
+
+
+def main() -> None:
+    script.main(Config, run)
+
+
+if __name__ == "__main__":
+    main()
