@@ -101,8 +101,18 @@ class CharTokenizer:
         return len(self.chars)
 
     def encode(self, text: str) -> torch.Tensor:
-        index = {c: i for i, c in enumerate(self.chars)}
-        return torch.tensor([index[c] for c in text], dtype=torch.long)
+        """Token ids of text, (len(text),) long. One vectorised lookup: a Python dict per character costs every
+        rank of every run almost half a second for Tiny Shakespeare's 1.1 M characters."""
+        if not text:
+            return torch.empty(0, dtype=torch.long)
+        codes = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32).long()
+        vocab = torch.tensor([ord(c) for c in self.chars], dtype=torch.long)
+        order = torch.argsort(vocab)
+        where = torch.searchsorted(vocab[order], codes).clamp_(max=len(vocab) - 1)
+        unknown = vocab[order][where] != codes
+        if unknown.any():
+            raise KeyError(chr(int(codes[unknown][0])))
+        return order[where]
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)

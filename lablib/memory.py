@@ -187,3 +187,95 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor],
     with SavedActivations(exclude=exclude) as saved:
         out = forward()
     return saved, out
+
+
+# --- memory over one training step -------------------------------------------------------------------
+
+import weakref  # noqa: E402  (this section's own import, kept with it)
+
+class _LiveSavedActivations(SavedActivations):
+    """``SavedActivations`` that also knows which of its storages autograd still holds: a weak reference to
+    every saved tensor it counts, so the counter itself keeps nothing alive."""
+
+    def __init__(self, parameters_of: torch.nn.Module):
+        super().__init__(parameters_of=parameters_of)
+        self._refs: dict[tuple, list] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        out = super()._pack(t)
+        local = local_tensor(t)
+        key = _storage_key(local)
+        if key in self._seen:                       # counted as an activation (not a parameter or buffer)
+            self._refs.setdefault(key, []).append(weakref.ref(local))
+        return out
+
+    def alive(self) -> list[torch.Tensor]:
+        """The saved tensors still held (by autograd's graph, or by anything else)."""
+        return [t for refs in self._refs.values() for t in (ref() for ref in refs) if t is not None]
+
+
+class MemoryTimeline:
+    """What this rank holds, sampled at every module's forward and backward boundary of one training step.
+
+        with MemoryTimeline(model, optimizer, persistent={"ddp_buckets": n}) as timeline:
+            model(x, y)[1].backward(); optimizer.step(); optimizer.zero_grad()
+        timeline.samples   # [{"event": "forward h.0", "phase": "forward", "params": ..., "total": ...}, ...]
+
+    Each sample counts, like the rest of this module (``StorageCounter``: each storage once, a DTensor by its
+    local shard): the parameters (under FSDP2 the local shards *and* every unit all-gathered at that
+    moment, which its modules expose while unsharded), their gradients, the optimizer's state and the saved
+    activations autograd has not yet freed; ``persistent`` adds bytes held outside the tensors seen here
+    (DDP's gradient buckets) to every sample. Samples are taken before and after every module's forward
+    (module hooks), when the gradient of a module's output arrives (the start of its backward: a hook on
+    the output tensor), before and after ``optimizer.step``, and at both ends.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 persistent: dict[str, int] | None = None):
+        self.model = getattr(model, "module", model)             # DDP's wrapper has no modules of its own
+        self.optimizer = optimizer
+        self.persistent = dict(persistent or {})
+        self.params = list(model.parameters())                    # FSDP2 between steps: the local shards
+        self.saved = _LiveSavedActivations(parameters_of=self.model)
+        self.samples: list[dict] = []
+        self._handles: list = []
+
+    def sample(self, event: str, phase: str) -> None:
+        counter = StorageCounter()
+        held = self.params + [p for m in self.model.modules() for p in m._parameters.values() if p is not None]
+        row = {"event": event, "phase": phase, "params": counter.add(held),
+               "grads": counter.add(p.grad for p in held),
+               "optimizer": counter.add(optimizer_state_tensors(self.optimizer)) if self.optimizer else 0,
+               "activations": counter.add(self.saved.alive()), **self.persistent}
+        row["total"] = sum(v for k, v in row.items() if k not in ("event", "phase"))
+        self.samples.append(row)
+
+    def _forward_done(self, label: str, output) -> None:
+        self.sample(f"forward {label} done", "forward")
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:   # its gradient arrives when the backward
+                t.register_hook(lambda grad: self.sample(f"backward {label}", "backward"))   # reaches the module
+                return
+
+    def __enter__(self) -> "MemoryTimeline":
+        self.sample("start", "start")
+        for name, module in self.model.named_modules():
+            label = name or "(model)"
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, args, label=label: self.sample(f"forward {label}", "forward")))
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, out, label=label: self._forward_done(label, out)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(
+                lambda *_: self.sample("optimizer.step", "optimizer")))
+            self._handles.append(self.optimizer.register_step_post_hook(
+                lambda *_: self.sample("optimizer.step done", "optimizer")))
+        self.saved.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.saved.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self.sample("end", "end")
+        return False

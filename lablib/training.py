@@ -64,6 +64,11 @@ def new_model(vocab_size: int, config, device) -> GPT:
     return GPT(gpt_config(config, vocab_size)).to(device)
 
 
+def new_optimizer(model, config) -> torch.optim.AdamW:
+    """The lab's optimizer for every variant: AdamW with config.lr, betas (0.9, 0.95), no weight decay."""
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
 def evaluation_steps(steps: int, eval_every: int) -> list[int]:
     """The optimizer steps after which the loss is evaluated: every eval_every-th, and always the last."""
     return sorted(set(range(eval_every, steps + 1, eval_every)) | {steps})
@@ -183,3 +188,44 @@ def save_sharded_checkpoint(model, config, env, val_set) -> dict:
         with torch.no_grad():
             out["plain_model_loss_first_val_block"] = plain(x[None], y[None])[1].item()
     return out
+
+
+def traced_step(model, optimizer, train_set, config, env, persistent: dict | None = None) -> dict:
+    """Two more training steps, the second watched (after the measured run, so they change none of its
+    figures): this rank's share of the first global batch, with ``memory.MemoryTimeline`` sampling what the rank holds at
+    every module boundary, and, when torch's flight recorder is on (``TORCH_FR_BUFFER_SIZE``), the process
+    group of every collective the step issued (``probes.collectives_by_group``)."""
+    from lablib.memory import MemoryTimeline
+    from lablib.probes import collectives_by_group, flight_recorder_entries
+
+    micro = config.batch_size // env.world_size
+    items = [train_set[i] for i in range(env.rank * micro, (env.rank + 1) * micro)]
+    x = torch.stack([it[0] for it in items]).to(env.device)          # (micro, block_size)
+    y = torch.stack([it[1] for it in items]).to(env.device)
+    model(x, y)[1].backward()          # a first step: after an evaluation FSDP2 keeps the root unit gathered
+    optimizer.step()
+    optimizer.zero_grad()
+    before = flight_recorder_entries()
+    with MemoryTimeline(model, optimizer, persistent) as timeline:
+        model(x, y)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"memory_timeline": timeline.samples,
+            "collectives_by_group": collectives_by_group(flight_recorder_entries()[len(before):])}
+
+
+def train_in_this_process(train_loop: Callable, config, threads: int = 1) -> list[tuple[int, float]]:
+    """An exercise's own ``train_loop(model, optimizer, train_set, val_set, config, on_step)`` run in this
+    process (world size 1, no torchrun), from the run's initial weights with the lab's optimizer and, like
+    every rank of the lab's runs, ``threads`` CPU threads: a look at a loop in seconds, before a
+    multi-process run. Returns the loop's validation curve."""
+    from lablib.distenv import from_env
+
+    tokenizer, train_set, val_set = data.shakespeare_datasets(config.block_size, config.val_blocks)
+    model = new_model(tokenizer.vocab_size, config, from_env().device)      # the device a rank 0 would use
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return train_loop(model, new_optimizer(model, config), train_set, val_set, config, lambda step, loss: None)
+    finally:
+        torch.set_num_threads(before)

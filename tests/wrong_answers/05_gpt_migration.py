@@ -44,12 +44,12 @@ def apply_fsdp(model, mesh=None):
 _ACC = '''%%writefile accelerate_impl.py
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
 
 def train_loop(model, optimizer, train_set, val_set, config, on_step):
-    accelerator = Accelerator()
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))
     loader = DataLoader(train_set, batch_size=config.batch_size // accelerator.num_processes, shuffle=True,
                         drop_last=True)
     val_loader = DataLoader(val_set, batch_size=config.val_batch_size // accelerator.num_processes)
@@ -174,6 +174,15 @@ def mean_across_ranks(value, env):
 '''),
     ],
     "accelerate_loop": [
+        ("shuffles with an unseeded DataLoader: another data order than the baseline's (the loss moves by percents)",
+         _ACC.replace("PREPARE", _PREPARE_ALL).replace(
+             "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))",
+             "Accelerator()")),
+        ("seeds the DataLoader's generator instead of Accelerate's sampler: the loader draws its worker seed from it "
+         "first, so the order is not the baseline's",
+         _ACC.replace("PREPARE", _PREPARE_ALL).replace(
+             "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))",
+             "Accelerator()").replace("shuffle=True,", "shuffle=True, generator=torch.Generator().manual_seed(config.seed),")),
         ("prepares the model and optimizer but not the data loaders: every process trains on the same batches",
          _ACC.replace("PREPARE", "model, optimizer = accelerator.prepare(model, optimizer)")),
         ("prepares the data loaders but not the model: no DDP, the processes drift apart",
