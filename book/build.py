@@ -1,0 +1,232 @@
+"""Build the self-study book: a static website of every lab's solution, executed, with its outputs.
+
+    python -m book.build              (launchers/book) -> book/_build/html/index.html
+
+Sphinx with MyST-NB does the work (book/conf.py). This module stages the sources first, in lab order:
+each solution notebook gets a header (the machine its figures were measured on, measured by a hidden
+first cell in the kernel that executes it; how to open it in JupyterLab) and links where it names
+another lab; index.md lists the labs with their objectives and run times.
+
+Executions are cached by MyST-NB in jupyter-cache, keyed by the notebook's code: a rebuild after
+editing one lab re-executes only that lab (a markdown-only edit re-executes nothing). An execution made
+elsewhere (the test suite's autograding of the solution) can be put into the cache with ``seed``, so
+that the build reuses it instead of executing the lab again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from instructor.course import REPO, SOLUTIONS, all_labs
+
+BOOK = Path(__file__).resolve().parent
+BUILD = BOOK / "_build"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+EXECUTED_BY_BOOK = "Executed headless by `launchers/book` (full sizes, widgets drawn once at their defaults)"
+
+
+@dataclass(frozen=True)
+class LabInfo:
+    name: str           # 01_gradient_accumulation
+    title: str          # Lab 01 · Gradient accumulation: ...
+    objectives: list[str]
+    run_time: str
+    prerequisites: str
+
+
+def _paragraph(text: str, label: str) -> str:
+    """The paragraph that starts with **label** in a markdown cell, without the label ('' if none)."""
+    match = re.search(rf"\*\*{re.escape(label)}\*\*(.*?)(?:\n\s*\n|\Z)", text, re.S)
+    return " ".join(match.group(1).split()) if match else ""
+
+
+def lab_info(lab: str, nb: nbformat.NotebookNode) -> LabInfo:
+    """Title, objectives, run time and prerequisites, from the lab's first markdown cell (COURSE_STANDARD.md)."""
+    intro = next((c.source for c in nb.cells if c.cell_type == "markdown"), "")
+    title = next((line[2:].strip() for line in intro.splitlines() if line.startswith("# ")), lab)
+    block = re.search(r"\*\*Learning objectives\.\*\*.*?\n((?:[-*] .*\n?(?:  .*\n?)*)+)", intro)
+    objectives = [" ".join(item.split()) for item in re.split(r"\n[-*] ", "\n" + block.group(1))[1:]] if block else []
+    return LabInfo(lab, title, objectives, _paragraph(intro, "Expected run time."),
+                   _paragraph(intro, "Prerequisites."))
+
+
+# --- staging -------------------------------------------------------------------------------------------
+
+CODE_OR_MATH = re.compile(r"(```.*?```|`[^`\n]*`|\$\$.*?\$\$|\$[^$\n]*\$|\[[^\]\n]*\]\([^)\n]*\))", re.S)
+
+
+def link_labs(markdown: str, labs: list[str], this: str) -> str:
+    """'Lab 02' / 'lab 02' -> a link to lab 02's page, outside code, math and existing links."""
+    by_number = {lab[:2]: lab for lab in labs if lab != this}
+
+    def link(match: re.Match) -> str:
+        lab = by_number.get(match.group(2))
+        return f"[{match.group(0)}]({lab}.ipynb)" if lab else match.group(0)
+
+    parts = CODE_OR_MATH.split(markdown)
+    return "".join(part if i % 2 else re.sub(r"\b([Ll]abs? )(\d\d)\b", link, part) for i, part in enumerate(parts))
+
+
+def machine_cell_source(executed_by: str = EXECUTED_BY_BOOK) -> str:
+    """The hidden first cell: book/machine.py, then a call that shows the description as markdown."""
+    return ((BOOK / "machine.py").read_text()
+            + "\n\nfrom IPython.display import Markdown\n"
+            + f"Markdown(machine_markdown({executed_by!r}))\n")
+
+
+def open_in_jupyterlab(lab: str) -> str:
+    path = f"{lab}/{lab}.ipynb"
+    return (f"**Open this lab in JupyterLab:** from the course repository run `launchers/lab --solutions` and open "
+            f"[`{path}`](http://localhost:8888/lab/tree/{path}) (this solution), or `launchers/lab` for your own copy "
+            f"with the exercises, `labs/{path}`. `launchers/lab --execute {lab[:2]}` runs it headless.")
+
+
+def staged_notebook(lab: str, labs: list[str]) -> nbformat.NotebookNode:
+    """The solution with the book's header cells, links between labs, and no outputs."""
+    nb = nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = link_labs(cell.source, labs, lab)
+        elif cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    title_cell = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown")
+    machine = nbformat.v4.new_code_cell(machine_cell_source(), metadata={"tags": ["remove-input"]})
+    opener = nbformat.v4.new_markdown_cell(open_in_jupyterlab(lab))
+    # The title stays first (it names the page); the header goes right under it, split off the title cell.
+    head, _, rest = nb.cells[title_cell].source.partition("\n")
+    nb.cells[title_cell].source = head
+    nb.cells[title_cell + 1:title_cell + 1] = [machine, opener, nbformat.v4.new_markdown_cell(rest.strip("\n"))]
+    return nb
+
+
+def index_page(infos: list[LabInfo]) -> str:
+    lines = [(BOOK / "intro.md").read_text().rstrip(), "", "## The labs, in order", ""]
+    for info in infos:
+        lines += [f"### {info.title}", "", f"[Read lab {info.name[:2]} →]({info.name}.ipynb)", ""]
+        if info.run_time:
+            lines += [f"**Run time.** {info.run_time}", ""]
+        if info.prerequisites:
+            lines += [f"**Prerequisites.** {link_labs(info.prerequisites, [i.name for i in infos], info.name)}", ""]
+        if info.objectives:
+            lines += ["**After this lab you can**", ""] + [f"- {objective}" for objective in info.objectives] + [""]
+    lines += ["```{toctree}", ":hidden:", ":caption: Labs", ""] + [info.name for info in infos]
+    lines += ["```", "", "```{toctree}", ":hidden:", ":caption: About this book", "", "executions", "```", ""]
+    return "\n".join(lines)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Keep the file's mtime when nothing changed, so that Sphinx re-reads only the pages that did."""
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def stage(src: Path, labs: list[str]) -> list[LabInfo]:
+    src.mkdir(parents=True, exist_ok=True)
+    infos = []
+    for lab in labs:
+        infos.append(lab_info(lab, nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4)))
+        _write_if_changed(src / f"{lab}.ipynb", nbformat.writes(staged_notebook(lab, labs)) + "\n")
+    for stale in set(src.glob("*.ipynb")) - {src / f"{lab}.ipynb" for lab in labs}:
+        stale.unlink()
+    _write_if_changed(src / "index.md", index_page(infos))
+    _write_if_changed(src / "executions.md", (BOOK / "executions.md").read_text())
+    return infos
+
+
+# --- reusing an execution made elsewhere -----------------------------------------------------------------
+
+def seed(cache_dir: Path, lab: str, staged: Path, executed: Path, executed_by: str) -> None:
+    """Put an execution of ``lab`` made elsewhere into the book's cache, as if the book had executed it.
+
+    ``executed`` holds the same code cells as the solution (an nbgrader-autograded copy of it, for example);
+    its outputs go into the staged notebook cell by cell, and the hidden machine cell is answered here, in
+    this process, on the machine that made the execution.
+    """
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+
+    import book.machine as machine
+
+    nb = nbformat.read(staged, as_version=4)
+    done = [c for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code"]
+    code = [c for c in nb.cells if c.cell_type == "code"][1:]   # [0] is the machine cell
+    if [c.source for c in code] != [c.source for c in done]:
+        differ = [i for i, (a, b) in enumerate(zip(code, done)) if a.source != b.source]
+        raise ValueError(f"{executed} is not an execution of {lab}'s solution: {len(done)} code cells against "
+                         f"{len(code)}, first different code cell: {differ[0] if differ else len(min(code, done, key=len))}")
+    for cell, ran in zip(code, done):
+        cell.outputs = [o for o in ran.outputs if WIDGET_MIME not in o.get("data", {})]
+        cell.execution_count = ran.get("execution_count")
+    header = nb.cells[next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")]
+    header.outputs = [nbformat.v4.new_output("execute_result", data={
+        "text/markdown": machine.machine_markdown(executed_by), "text/plain": "<machine>"}, execution_count=1)]
+    get_cache(str(cache_dir)).cache_notebook_bundle(CacheBundleIn(nb, str(staged), data={"seeded_from": str(executed)}),
+                                                    check_validity=False, overwrite=True)
+
+
+# --- build ---------------------------------------------------------------------------------------------
+
+@dataclass
+class BookBuild:
+    html: Path
+    labs: list[LabInfo]
+    seconds: float
+    executed: dict[str, float]    # lab -> seconds of the executions this build made (cache misses)
+
+
+def build(out: Path = BUILD, labs: list[str] | None = None, seeds: dict[str, Path] | None = None,
+          seeded_by: str = "", execute: bool = True, quiet: bool = False) -> BookBuild:
+    """Stage, seed and build the book into out/html (cache in out/jupyter_cache, sources in out/src).
+
+    execute=False renders labs that are neither cached nor seeded without outputs instead of running them.
+    """
+    from jupyter_cache import get_cache
+    from sphinx.application import Sphinx
+
+    t0 = time.perf_counter()
+    labs = labs or all_labs()
+    src, cache = out / "src", out / "jupyter_cache"
+    infos = stage(src, labs)
+    for lab, executed in (seeds or {}).items():
+        seed(cache, lab, src / f"{lab}.ipynb", executed, seeded_by)
+    before = {r.pk for r in get_cache(str(cache)).list_cache_records()}
+    os.environ["LABLIB_HEADLESS"] = "1"   # the executing kernels inherit it: each widget becomes one figure
+    overrides = {"nb_execution_cache_path": str(cache)}
+    if not execute:
+        overrides["nb_execution_excludepatterns"] = [f"{lab}.ipynb" for lab in labs if lab not in (seeds or {})]
+    app = Sphinx(str(src), str(BOOK), str(out / "html"), str(out / "doctrees"), "html",
+                 confoverrides=overrides, status=None if quiet else sys.stdout, keep_going=True)
+    app.build()
+    if app.statuscode:
+        raise SystemExit(f"the book's Sphinx build failed (exit {app.statuscode}); see the messages above")
+    executed = {Path(r.uri).stem: r.data.get("execution_seconds", 0.0)
+                for r in get_cache(str(cache)).list_cache_records() if r.pk not in before}
+    return BookBuild(out / "html", infos, time.perf_counter() - t0, executed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="launchers/book", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=BUILD, help="default: book/_build")
+    parser.add_argument("--clean", action="store_true", help="forget the cached executions and build from scratch")
+    args = parser.parse_args(argv)
+    if args.clean:
+        shutil.rmtree(args.out, ignore_errors=True)
+    result = build(args.out)
+    ran = ", ".join(f"{lab} {s:.0f} s" for lab, s in result.executed.items()) or "none (all from the cache)"
+    print(json.dumps({"labs": [i.name for i in result.labs], "seconds": round(result.seconds, 1)}))
+    print(f"book built in {result.seconds:.0f} s; executed: {ran}\nopen {result.html / 'index.html'}")
+
+
+if __name__ == "__main__":
+    main()

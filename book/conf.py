@@ -1,0 +1,39 @@
+"""Sphinx configuration of the self-study book (MyST-NB renders the executed labs; see book/build.py).
+
+The sources Sphinx reads are staged by book/build.py into book/_build/src; this folder is only the
+configuration. Build with launchers/book.
+"""
+
+project = "Distributed Training Labs"
+author = "the course"
+copyright = "the course authors"
+
+# sphinx-mathjax-offline ships MathJax 3 and points Sphinx at it: formulas render without a network.
+extensions = ["myst_nb", "sphinx-mathjax-offline"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+
+# Formulas: $...$ and $$...$$ as in the notebooks, rendered by MathJax.
+myst_enable_extensions = ["dollarmath", "amsmath"]
+myst_heading_anchors = 3
+
+# Executions: cached in jupyter-cache (keyed by the code cells), so editing one lab re-executes only that
+# lab. book/build.py sets the cache folder. A solution that raises fails the build.
+nb_execution_mode = "cache"
+nb_execution_timeout = 900
+nb_execution_in_temp = True
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+nb_merge_streams = True
+# Widgets are drawn once, statically, when nobody can move them (lablib.plots.explore); the figure is what shows.
+nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
+
+html_theme = "sphinx_book_theme"
+html_title = "Distributed Training Labs"
+html_theme_options = {
+    "show_toc_level": 2,
+    "use_download_button": True,
+    "home_page_in_toc": True,
+    "navigation_with_keys": True,
+}
+html_show_sourcelink = False
+suppress_warnings = ["mystnb.unknown_mime_type"]
