@@ -229,3 +229,52 @@ def train_in_this_process(train_loop: Callable, config, threads: int = 1) -> lis
         return train_loop(model, new_optimizer(model, config), train_set, val_set, config, lambda step, loss: None)
     finally:
         torch.set_num_threads(before)
+
+
+class _WithoutProgress:
+    """A stdout that passes every line but the launcher's progress events (a run in this process has no
+    launcher to draw them)."""
+
+    def __init__(self, out):
+        self.out, self.pending = out, ""
+
+    def write(self, text: str) -> int:
+        from lablib.processes import PROGRESS_PREFIX
+
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not line.startswith(PROGRESS_PREFIX):
+                self.out.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def run_in_this_process(options: dict, threads: int = 1) -> dict:
+    """lablib.runs.gpt_migration's variants in this process: world size 1, no torchrun (the single-process
+    baseline, from a notebook, without a process start). The same ``run`` every torchrun rank calls, the
+    options checked against the same Config, ``threads`` CPU threads like every rank of the lab's runs.
+    Returns what a run returns: {"config", "env", "metrics": {variant: ...}}."""
+    import contextlib
+    import dataclasses
+    import sys
+
+    from lablib import config as cfg
+    from lablib.distenv import from_env
+    from lablib.runs import gpt_migration
+    from lablib.script import jsonable
+
+    config = cfg.from_options(gpt_migration.Config, dict(options))
+    env = from_env()
+    config.validate_world(env.world_size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with contextlib.redirect_stdout(_WithoutProgress(sys.stdout)):
+            metrics = gpt_migration.run(env, config)
+        described = env.describe()
+    finally:
+        torch.set_num_threads(before)
+    return jsonable({"config": dataclasses.asdict(config), "env": described, "metrics": metrics})
