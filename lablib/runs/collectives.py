@@ -13,6 +13,10 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
   ``lablib.counting`` recorded for the call (message size S, bus bytes).
   It also tries ``reduce_scatter_tensor`` on an input that does not divide by the world size, and
   ``all_to_all_single`` with splits that do not add up, and keeps the errors PyTorch raises.
+- wire (``wire_bytes`` = S > 0, for each of those world sizes): the bytes each rank really wrote to its
+  sockets during each timed collective of S bytes, read from Linux's ``/proc/self/io`` (``wchar``: every
+  write-like system call of the process, gloo's socket sends included), divided by S. What gloo moves, next
+  to what the algorithm needs (``lablib.counting``'s bus factor). None where there is no ``/proc``.
 - benchmark (``bench_bytes``, message sizes S in bytes, float32): each collective on the first
   ``bench_ranks`` ranks, interleaved, ``repeats`` times after a warm-up; a repetition's time is the slowest
   rank's (``lablib.timing``). Ranks outside the timed group wait in a barrier (on gloo a waiting rank
@@ -47,12 +51,15 @@ class Config:
     bench_ranks: int = 2                    # ranks in the timed group
     repeats: int = 5                        # timed repetitions per size and collective
     barrier_delay_s: float = 0.05           # rank r reaches the barrier r x this late
+    wire_bytes: int = 0                     # message size S for counting the bytes gloo really sends (0: no)
 
     def validate(self) -> None:
         if self.per_rank < 1 or any(w < 1 for w in self.world_sizes):
             raise ValueError(f"per_rank={self.per_rank} and world_sizes={self.world_sizes} must be positive")
         if any(b < 4 or b % 4 for b in self.bench_bytes):
             raise ValueError(f"bench_bytes={self.bench_bytes}: float32 messages need a multiple of 4 bytes")
+        if self.wire_bytes < 0 or self.wire_bytes % 4:
+            raise ValueError(f"wire_bytes={self.wire_bytes}: a float32 message needs a multiple of 4 bytes (0: none)")
         if self.bench_ranks < 2 or self.repeats < 1 or self.barrier_delay_s < 0:
             raise ValueError(f"bench_ranks={self.bench_ranks} must be >= 2, repeats={self.repeats} >= 1, "
                              f"barrier_delay_s={self.barrier_delay_s} >= 0")
@@ -153,6 +160,31 @@ def expected_errors(rank: int, n: int, group) -> dict:
     return errors
 
 
+def bytes_written() -> int | None:
+    """Bytes this process has written with write-like system calls so far (socket sends included); Linux only."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def wire(rank: int, n: int, n_bytes: int, group) -> dict:
+    """{collective: bytes this rank wrote during it / S} for a message of S = n_bytes (None without /proc)."""
+    numel = n_bytes // 4 // n * n
+    x = torch.randn(numel)
+    out = {"all_gather": torch.empty(numel), "reduce_scatter": torch.empty(numel // n), "all_to_all": torch.empty(numel)}
+    ratios = {}
+    for name in TIMED:
+        buf = x.clone()
+        dist.barrier(group=group)
+        before = bytes_written()
+        timed_call(name, buf, out, n, group)
+        after = bytes_written()
+        ratios[name] = None if before is None or after is None else (after - before) / (numel * 4)
+    return ratios
+
+
 def pictures(env, config: Config, world_size: int, default_group) -> dict | None:
     """Every collective on ranks 0..world_size-1; rank 0 returns {name: per-rank inputs/outputs, counts}."""
     sub = default_group if world_size == env.world_size else dist.new_group(list(range(world_size)), backend="gloo")
@@ -177,9 +209,14 @@ def pictures(env, config: Config, world_size: int, default_group) -> dict | None
                 result[name]["left_s"] = [r["extra"]["left_s"] for r in per_rank]
     errors = expected_errors(env.rank, world_size, sub) if member else None
     gathered = gather_objects(errors, env, group=default_group)
+    sent = wire(env.rank, world_size, config.wire_bytes, sub) if member and config.wire_bytes else None
+    sent = [r for r in gather_objects(sent, env, group=default_group) if r is not None]
     if not env.is_main:
         return None
-    return {"world_size": world_size, "numel": numel, "collectives": result, "errors": gathered[0]}
+    return {"world_size": world_size, "numel": numel, "collectives": result, "errors": gathered[0],
+            # {collective: [bytes written / S, per rank]}, with the bus factor the algorithm needs
+            "wire": {name: [r[name] for r in sent] for name in TIMED} if sent else {},
+            "bus_factor": {name: counting.bus_factor(name, world_size) for name in TIMED}}
 
 
 def timed_call(name: str, x: torch.Tensor, out: dict, n: int, group) -> None:

@@ -1,7 +1,7 @@
 """Lab 00's check of the student's torchrun script skeleton: a plain torchrun script (the student's code sets
 up the process group itself), run by ``lablib.launch.run_script``; every rank prints its findings.
 
-    torchrun --standalone --nproc-per-node 3 lablib/runs/collectives_job.py --impl $PWD/job_setup.py \\
+    torchrun --standalone --nproc-per-node 3 lablib/runs/collectives_job.py --impl $PWD/job_setup_impl.py \\
         --checkpoint_dir /tmp/ckpt --scenarios ok@2,error@2,ok,error,gpus:1,gpus:3
 
 The module ``--impl`` (written by the notebook) defines ``setup_distributed(timeout_s)``,
@@ -10,8 +10,9 @@ Scenarios, in order, in one torchrun start:
 
 - ``ok``: ``run_job`` with a ``train`` that returns rank-dependent tensors; rank 0's must come back on
   every rank, on the rank's device, after exactly one save (rank 0's) and one load per rank.
-  Rank 0's ``torch.save`` is made slow (``save_delay_s``), as on a network file system: a rank that loads
-  without waiting for it finds no file.
+  Rank 0's ``torch.save`` does not write before every other rank has either reached a barrier or started to
+  load (at most ``save_delay_s`` later), as a slow network file system would: a rank that loads without
+  waiting for rank 0 then always finds no file, however the ranks happen to be scheduled.
 - ``error``: ``train`` raises on every rank; the error must come out of ``run_job`` and the process group
   must be gone afterwards (``destroy_process_group`` in ``finally``).
 - ``gpus:K``: ``torch.cuda`` reports K GPUs (simulated: nothing runs on them) and only ``setup_distributed``
@@ -54,11 +55,11 @@ REQUIRED = ("setup_distributed", "log0", "checkpoint_round_trip", "run_job")
 
 @dataclass(frozen=True)
 class Config:
-    impl: str = "job_setup.py"            # the module the notebook's exercise cell writes
+    impl: str = "job_setup_impl.py"            # the module the notebook's exercise cell writes
     checkpoint_dir: str = "."             # where the ok scenario's checkpoint goes
     scenarios: tuple[str, ...] = ("ok", "error")
     timeout_s: float = 30.0               # passed to setup_distributed / run_job
-    save_delay_s: float = 0.5             # rank 0's torch.save waits this long before writing
+    save_delay_s: float = 5.0             # the longest rank 0's torch.save waits for the others (see above)
 
     def validate(self) -> None:
         for s in self.scenarios:
@@ -75,7 +76,8 @@ class Recorder:
     def __init__(self, rank: int, world_size: int, save_delay_s: float):
         self.rank, self.world_size, self.save_delay_s = rank, world_size, save_delay_s
         self.real = {"init": dist.init_process_group, "destroy": dist.destroy_process_group,
-                     "save": torch.save, "load": torch.load}
+                     "save": torch.save, "load": torch.load, "barrier": dist.barrier,
+                     "monitored_barrier": dist.monitored_barrier}
         self.store = None
         self.prefix, self.attempt = "", 0
         self.fake_gpus = None
@@ -118,16 +120,37 @@ class Recorder:
         self.destroys += 1
         return self.real["destroy"](*args, **kwargs)
 
+    def _mark(self, what: str) -> None:
+        """Tell rank 0's save that this rank has reached a barrier or a load (a key in torchrun's store)."""
+        if self.store is not None:
+            self.store.set(f"lab00/{self.prefix}/reached/{self.rank}", what)
+
     def save(self, obj, f, *args, **kwargs):
         self.saves.append(str(f))
-        time.sleep(self.save_delay_s)            # a slow file system: only a barrier makes the others wait
+        if self.store is not None and self.rank == 0:
+            # write only once every other rank waits in a barrier or has tried to load (or after save_delay_s)
+            deadline = time.monotonic() + self.save_delay_s
+            others = [f"lab00/{self.prefix}/reached/{r}" for r in range(1, self.world_size)]
+            while time.monotonic() < deadline and not all(self.store.check([key]) for key in others):
+                time.sleep(0.02)
         return self.real["save"](obj, f, *args, **kwargs)
+
+    def barrier(self, *args, **kwargs):
+        self._mark("barrier")
+        return self.real["barrier"](*args, **kwargs)
+
+    def monitored_barrier(self, *args, **kwargs):
+        self._mark("barrier")
+        return self.real["monitored_barrier"](*args, **kwargs)
 
     def load(self, f, *args, **kwargs):
         location = kwargs.get("map_location", args[0] if args else None)
         self.loads.append({"path": str(f), "map_location": None if location is None else str(location)})
         kwargs.setdefault("weights_only", True)
-        return self.real["load"](f, *args, **kwargs)
+        try:
+            return self.real["load"](f, *args, **kwargs)
+        finally:
+            self._mark("loaded")                 # only now may rank 0 write (if this rank never waited)
 
     def refuse_lablib(self, name):
         def refused(*args, **kwargs):
@@ -138,6 +161,7 @@ class Recorder:
 
     def install(self) -> None:
         dist.init_process_group, dist.destroy_process_group = self.init, self.destroy
+        dist.barrier, dist.monitored_barrier = self.barrier, self.monitored_barrier
         torch.save, torch.load = self.save, self.load
         for name in ("from_env", "select_backend_and_device", "distributed"):
             setattr(distenv, name, self.refuse_lablib(name))
@@ -190,7 +214,9 @@ def _run_scenario(scenario: str, impl, config: Config, rec: Recorder, world_size
     rec.reset(scenario, size)
     saved_env = {k: os.environ[k] for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     os.environ.update(WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))     # a job of `size` ranks
-    path = Path(config.checkpoint_dir) / f"checkpoint_{scenario.replace(':', '_').replace('@', '_')}.pt"
+    # a name of this run's own: a file left by an earlier run must not stand in for rank 0's save
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")[-8:]
+    path = Path(config.checkpoint_dir) / f"checkpoint_{scenario.replace(':', '_').replace('@', '_')}_{run_id}.pt"
     try:
         if name.startswith("gpus:"):
             rec.simulate_gpus(int(scenario[5:]))

@@ -44,7 +44,7 @@ def predict_all_gather(inputs):
     return [torch.cat(inputs) for _ in inputs]
 '''
 
-_JOB_HEADER = '''%%writefile job_setup.py
+_JOB_HEADER = '''%%writefile job_setup_impl.py
 import datetime
 import os
 
@@ -118,7 +118,7 @@ def setup_distributed(timeout_s=60.0):
 '''
 
 
-_FIXED_HEAD = '''%%writefile fixed_train.py
+_FIXED_HEAD = '''%%writefile fixed_train_impl.py
 import datetime
 import os
 
