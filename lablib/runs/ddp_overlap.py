@@ -17,7 +17,8 @@ Four parts, one torchrun start, every variant trained from the same initial weig
   all caps taking turns step by step, with the parts the alpha-beta model needs measured in the same run:
   forward, backward and optimizer time with no communication, and standalone all-reduces of several sizes.
 - ``benchmark``: ``DDPBucketed`` against DDP at the same cap, paired: ``rounds`` rounds, each a few steps of
-  both (which one goes first alternates), the ratio of the medians per round, then the median ratio.
+  both taking turns step by step on the same batches (which one goes first alternates by round), the ratio of
+  the medians per round, then the median ratio.
   Bytes per step are counted where the collective is called (``lablib.counting``).
 - ``compression``: DDP with communication hooks (none, ``fp16_compress_hook``, PowerSGD rank 1): all-reduce
   bytes per step and the loss after the same number of steps.
@@ -61,9 +62,10 @@ class Config:
     sweep_rounds: int = 4                     # steps per cap (taking turns)
     timeline_steps: int = 12                  # DDP's logger averages iterations 1-10: at least 11
     rounds: int = 5                           # benchmark rounds (median of the per-round ratios)
-    steps_per_round: int = 3
-    compression_steps: int = 20
-    lr: float = 3e-3
+    steps_per_round: int = 4
+    compression_steps: int = 40
+    lr: float = 3e-3                          # SGD, timeline, sweep and benchmark
+    compression_lr: float = 1e-3              # AdamW, compression
     seed: int = 0
 
     def validate(self) -> None:
@@ -172,7 +174,7 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
         steps = []
         # DDP's logger averages its iterations 1-10; the students' classes need only a few steps.
-        for step in range(config.timeline_steps if variant == "ddp" else 4):
+        for step in range(config.timeline_steps if variant == "ddp" else 6):
             batch = batches.rank_batch(step)
             optimizer.zero_grad(set_to_none=True)
             recorder.events.clear()
@@ -276,19 +278,17 @@ def benchmark(env, config: Config, impl, batches: Batches) -> dict:
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=config.lr) for v, m in variants.items()}
     for v in variants:                              # warm-up (DDP rebuilds its buckets at its first step)
         train_step(variants[v], optimizers[v], batches.rank_batch(0))
-    rounds, step = [], 1
+    rounds = []
     for r in range(config.rounds):
-        order = ("bucketed", "ddp") if r % 2 == 0 else ("ddp", "bucketed")
-        medians = {}
-        for v in order:
-            times = []
-            for _ in range(config.steps_per_round):
-                batch = batches.rank_batch(step)
-                step += 1
+        order = ("bucketed", "ddp") if r % 2 == 0 else ("ddp", "bucketed")   # who goes first alternates
+        times = {v: [] for v in variants}
+        for i in range(config.steps_per_round):   # step by step, A B A B ...: a burst of load hits both
+            batch = batches.rank_batch(1 + r * config.steps_per_round + i)   # the same batch for both
+            for v in order:
                 timing.barrier(env.device)
-                with timing.stopwatch(times, env.device):
+                with timing.stopwatch(times[v], env.device):
                     train_step(variants[v], optimizers[v], batch)
-            medians[v] = timing.median(timing.slowest_rank(times, env.device))
+        medians = {v: timing.median(timing.slowest_rank(t, env.device)) for v, t in times.items()}
         rounds.append({**medians, "ratio": medians["bucketed"] / medians["ddp"]})
     # Bytes per step, counted where the collective is called: the students' class through torch.distributed,
     # DDP's reducer through a communication hook (on a separate copy, so the timed DDP has no Python hook).
@@ -325,7 +325,7 @@ def compression(env, config: Config, batches: Batches) -> dict:
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                                 start_powerSGD_iter=2)
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.compression_lr)
         losses, per_step = [], []
         for step in range(config.compression_steps):
             with counting.count_collectives() as calls:
