@@ -254,11 +254,18 @@ def test_instructor_sees_the_labs_in_formgrader(course, browser, instructor_lab,
     labs = labkit.labs()
     base, token = instructor_lab
     with page_of(browser, base, token, "/formgrader") as page:
-        try:
-            page.wait_for_selector(f"td:has-text('{labs[-1]}')", timeout=60_000)
-        except PlaywrightTimeout:
-            pass   # the assertion below says what the page shows instead
+        with page.expect_response(lambda r: "/formgrader/api/assignments" in r.url, timeout=60_000) as answer:
+            page.reload()   # the page asks its API for the assignments once it has loaded
+        if answer.value.ok:
+            try:
+                page.wait_for_selector(f"td:has-text('{labs[-1]}')", timeout=60_000)
+            except PlaywrightTimeout:
+                pass   # the assertion below says what the page shows instead
+        else:
+            time.sleep(2)  # for the screenshot: what the instructor is left looking at
         shoot(page, f"formgrader_{'after_grading' if graded_before else 'fresh_clone'}")
+        assert answer.value.ok, (f"Formgrader's assignment list answered HTTP {answer.value.status}; the page shows: "
+                                 f"{' '.join(page.inner_text('body').split())[-300:]}")
         rows = page.locator("table tbody tr").all_inner_texts()
         missing = [lab for lab in labs if not any(row.startswith(lab) for row in rows)]
         assert not missing, f"Formgrader's assignment list lacks {missing}: {rows}"
