@@ -7,8 +7,9 @@ each solution notebook gets a header (the machine its figures were measured on, 
 first cell in the kernel that executes it; how to open it in JupyterLab) and links where it names
 another lab; index.md lists the labs with their objectives and run times.
 
-Executions are cached by MyST-NB in jupyter-cache, keyed by the notebook's code: a rebuild after
-editing one lab re-executes only that lab (a markdown-only edit re-executes nothing). An execution made
+Executions are cached by MyST-NB in jupyter-cache, keyed by the notebook's code and lablib's sources: a
+rebuild after editing one lab re-executes only that lab (a markdown-only edit re-executes nothing; an edit of
+lablib re-executes every lab). An execution made
 elsewhere (the test suite's autograding of the solution) can be put into the cache with ``seed``, so
 that the build reuses it instead of executing the lab again.
 """
@@ -16,6 +17,7 @@ that the build reuses it instead of executing the lab again.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -77,10 +79,19 @@ def link_labs(markdown: str, labs: list[str], this: str) -> str:
     return "".join(part if i % 2 else re.sub(r"\b([Ll]abs? )(\d\d)\b", link, part) for i, part in enumerate(parts))
 
 
+def lablib_digest() -> str:
+    """A hash of lablib's sources: the labs' figures depend on them as much as on the notebook's own code."""
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "lablib").rglob("*.py")):
+        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def machine_cell_source(executed_by: str = EXECUTED_BY_BOOK) -> str:
-    """The hidden first cell: book/machine.py, then a call that shows the description as markdown."""
+    """The hidden first cell: book/machine.py, then a call that shows the description as markdown. The cache
+    key is the code, so the cell also names lablib's version: a change to lablib re-executes every lab."""
     return ((BOOK / "machine.py").read_text()
-            + "\n\nfrom IPython.display import Markdown\n"
+            + f"\n\n# lablib sources {lablib_digest()}\nfrom IPython.display import Markdown\n"
             + f"Markdown(machine_markdown({executed_by!r}))\n")
 
 
