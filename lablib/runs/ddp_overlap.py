@@ -59,7 +59,7 @@ class Config:
     batch_per_rank: int = 8                   # sequences per rank per step
     bucket_size_mb: float = 0.5               # the timeline's and the benchmark's cap, both classes and DDP
     sweep_caps_mb: tuple[float, ...] = (1e-6, 0.05, 0.1, 0.25, 0.5, 100.0)
-    sweep_rounds: int = 4                     # steps per cap (taking turns)
+    sweep_rounds: int = 6                     # steps per cap (taking turns)
     timeline_steps: int = 12                  # DDP's logger averages iterations 1-10: at least 11
     rounds: int = 5                           # benchmark rounds (median of the per-round ratios)
     steps_per_round: int = 4
