@@ -126,3 +126,16 @@ def test_real_ranks_take_turns_at_two_world_sizes(tmp_path, monkeypatch):
     for r in runs.values():
         ddp_scratch.check_probe(r, "individual")
     assert runs["3:mlp"].world_size == 3 and runs["2:mlp"].world_size == 2
+
+
+def test_exercise_3_does_not_depend_on_exercise_2(tmp_path):
+    """A broken buckets_impl.py (exercise 2) must not cost DDPBucketed (exercise 3) its points: the graded
+    load imports a stand-in, and the probe uses PyTorch's assignment."""
+    (tmp_path / "buckets_impl.py").write_text("def assign_buckets(:\n")
+    (tmp_path / "bucketed_impl.py").write_text(
+        "import torch.distributed as dist\nfrom buckets_impl import assign_buckets\n\n\n"
+        "class DDPBucketed:\n    def __init__(self, module, cap):\n        self.buckets = assign_buckets([1], cap)\n")
+    impl = ddp_scratch.load_bucketed_impl(str(tmp_path / "bucketed_impl.py"))
+    assert impl.DDPBucketed(None, 1.0).buckets == [[0]]
+    with pytest.raises(SyntaxError):
+        ddp_scratch.load_impl(str(tmp_path / "bucketed_impl.py"))
