@@ -9,7 +9,7 @@ from instructor import course
 
 def test_find_lab_accepts_numbers_and_names():
     assert course.find_lab("1") == course.find_lab("01") == course.find_lab("01_gradient_accumulation")
-    with pytest.raises(SystemExit, match="no lab '99'; the labs are: 01_gradient_accumulation"):
+    with pytest.raises(SystemExit, match="no lab '99'; the labs are: " + ", ".join(course.all_labs())):
         course.find_lab("99")
 
 
