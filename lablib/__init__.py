@@ -21,6 +21,7 @@ Read it like a table of contents:
 - ``lablib.activation_checkpointing``  activation checkpointing applied to a plain model from outside
 - ``lablib.training``  lab 05's one training loop for a single process, DDP, accumulation and FSDP2
 - ``lablib.probes``    reading what lab 05's exercise code does on the ranks, for its graded checks
+- ``lablib.ddp_probes`` lab 06's probe of the students' DDP classes on the ranks, and its graded checks
 - ``lablib.benchmark`` ``StepMeter``: one way to measure every variant's step (time, memory, collectives) from
                        the modules above (lab 05)
 - ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)

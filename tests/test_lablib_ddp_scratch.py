@@ -8,10 +8,10 @@ and a hook-based one): the probe must tell them apart by the order of events.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lablib import config as cfg
 from lablib import launch
+from lablib import ddp_probes
 from lablib.runs import ddp_overlap, ddp_scratch
 
 HOOKED = '''
@@ -51,12 +51,12 @@ AFTER_BACKWARD = HOOKED.replace("p.register_post_accumulate_grad_hook(hook)", "p
 def _impl(tmp_path, source, name="individual_impl.py"):
     path = tmp_path / name
     path.write_text(source)
-    return ddp_scratch.load_impl(str(path), ("DDPIndividualParameters",)), path
+    return ddp_probes.load_impl(str(path), ("DDPIndividualParameters",)), path
 
 
 def test_torch_bucket_assignment_is_ddps_and_records_its_calls():
     calls = []
-    assign = ddp_scratch.torch_bucket_assignment(calls)
+    assign = ddp_probes.torch_bucket_assignment(calls)
     # DDP closes a bucket once it reaches the cap: the 40-byte tensor joins the 4-byte one at a 16-byte cap.
     assert assign([4, 40, 8, 8, 8], 16 / 2**20) == [[0, 1], [2, 3], [4]]
     assert assign([8, 8], 100.0) == [[0, 1]]
@@ -72,26 +72,26 @@ def test_overlap_fraction_uses_ddps_definition():
 
 def test_probe_sees_overlap_and_the_tied_weight_once(tmp_path):
     impl, _ = _impl(tmp_path, HOOKED)
-    for r in ddp_scratch.probe_without_processes(impl, "individual", ("mlp", "tied", "frozen", "unused")):
-        ddp_scratch.check_probe(r, "individual")
+    for r in ddp_probes.probe_without_processes(impl, "individual", ("mlp", "tied", "frozen", "unused")):
+        ddp_probes.check_probe(r, "individual")
         assert r["world_size"] == 1 and r["steps_recorded"]
 
 
 def test_probe_fails_an_all_reduce_after_backward(tmp_path):
     impl, _ = _impl(tmp_path, AFTER_BACKWARD, "after_impl.py")
-    r = ddp_scratch.probe_without_processes(impl, "individual", ("mlp",))[0]
+    r = ddp_probes.probe_without_processes(impl, "individual", ("mlp",))[0]
     assert r["error"] is None and r["max_abs_diff_vs_single_process"] < 1e-6   # right numbers...
     with pytest.raises(AssertionError, match="launched before loss.backward"):  # ...no overlap
-        ddp_scratch.check_probe(r, "individual")
+        ddp_probes.check_probe(r, "individual")
 
 
 def test_probe_reports_a_stub_as_an_error(tmp_path):
     stub = "class DDPIndividualParameters:\n    def __init__(self, module):\n        raise NotImplementedError()\n"
     impl, _ = _impl(tmp_path, stub, "stub_impl.py")
-    r = ddp_scratch.probe_without_processes(impl, "individual", ("mlp",))[0]
+    r = ddp_probes.probe_without_processes(impl, "individual", ("mlp",))[0]
     assert r["error"].startswith("NotImplementedError")
     with pytest.raises(AssertionError, match="raised NotImplementedError"):
-        ddp_scratch.check_probe(r, "individual")
+        ddp_probes.check_probe(r, "individual")
 
 
 @pytest.mark.parametrize("options, message", [
@@ -124,7 +124,7 @@ def test_real_ranks_take_turns_at_two_world_sizes(tmp_path, monkeypatch):
     runs = result.metrics.runs
     assert sorted(runs) == ["2:frozen", "2:mlp", "3:frozen", "3:mlp"]
     for r in runs.values():
-        ddp_scratch.check_probe(r, "individual")
+        ddp_probes.check_probe(r, "individual")
     assert runs["3:mlp"].world_size == 3 and runs["2:mlp"].world_size == 2
 
 
@@ -135,7 +135,7 @@ def test_exercise_3_does_not_depend_on_exercise_2(tmp_path):
     (tmp_path / "bucketed_impl.py").write_text(
         "import torch.distributed as dist\nfrom buckets_impl import assign_buckets\n\n\n"
         "class DDPBucketed:\n    def __init__(self, module, cap):\n        self.buckets = assign_buckets([1], cap)\n")
-    impl = ddp_scratch.load_bucketed_impl(str(tmp_path / "bucketed_impl.py"))
+    impl = ddp_probes.load_bucketed_impl(str(tmp_path / "bucketed_impl.py"))
     assert impl.DDPBucketed(None, 1.0).buckets == [[0]]
     with pytest.raises(SyntaxError):
-        ddp_scratch.load_impl(str(tmp_path / "bucketed_impl.py"))
+        ddp_probes.load_impl(str(tmp_path / "bucketed_impl.py"))

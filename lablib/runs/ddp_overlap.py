@@ -7,7 +7,7 @@ Four parts, one torchrun start, every variant trained from the same initial weig
 
 - ``timeline``: one step of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP, per rank, from
   perf_counter timestamps taken in the run: each block's backward (module backward hooks) and each
-  all-reduce's launch and completion (``ddp_scratch.Recorder`` for the students' classes, a communication
+  all-reduce's launch and completion (``lablib.counting`` for the students' classes, a communication
   hook, ``scaling.BucketTimer``, for DDP's). The overlap fraction uses DDP's own definition (its reducer's
   timer, reported by ``_get_ddp_logging_data()``): communication runs from the first all-reduce's launch to
   the last one's completion; the part of it before the backward's compute ended (the last gradient became
@@ -41,7 +41,7 @@ from lablib import config as cfg
 from lablib.exercise import require_file
 from lablib.models import GPT, gpt_config
 from lablib.rankcheck import gather_objects
-from lablib.runs.ddp_scratch import Recorder, load_impl
+from lablib.ddp_probes import load_impl
 
 
 COMPRESSION_CAP_MB = 1000.0
@@ -159,8 +159,8 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
     for variant in ("individual", "bucketed", "ddp"):
         gpt = new_gpt(config, env)
         blocks = BlockTimes(gpt)
-        recorder = Recorder()
-        with recorder.active():
+        recorder = counting.CollectiveLog()
+        with counting.count_collectives(recorder):
             model = wrap(variant, impl, gpt, config.bucket_size_mb)
         # When each gradient became final (after the wrapper's own hook): the last one ends the backward's
         # compute, DDP's kBackwardComputeEnd; DDP's backward() returns only after its all-reduces are done.
@@ -177,12 +177,12 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
         for step in range(config.timeline_steps if variant == "ddp" else 6):
             batch = batches.rank_batch(step)
             optimizer.zero_grad(set_to_none=True)
-            recorder.events.clear()
+            recorder.reset()
             grad_ready.clear()
             if bucket_timer is not None:
                 bucket_timer.start_step()
             timing.barrier(env.device)
-            with recorder.active():
+            with counting.count_collectives(recorder):
                 t0 = time.perf_counter()
                 loss = model(*batch)[1]
                 t_forward = time.perf_counter()
@@ -195,8 +195,8 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
             if bucket_timer is not None:
                 comm = [(a, b, n) for a, b, n, _ in bucket_timer.spans]
             else:
-                comm = [(e["launched_s"], e["done_s"] or t_finish, e["bytes"]) for e in recorder.events
-                        if e["op"] == "all_reduce"]
+                comm = [(c.launched_s, c.done_s or t_finish, c.bytes) for c in recorder.calls
+                        if c.name == "all_reduce"]
             compute_end = max(grad_ready)
             steps.append({"forward": [0.0, t_forward - t0], "backward_end": t_backward - t0,
                           "compute_end": compute_end - t0,
