@@ -89,7 +89,7 @@ class Call:
     when it ran (``time.perf_counter`` seconds): ``launched_s`` when it was called, ``done_s`` when it
     returned or, for an asynchronous call (``async_op=True``, isend/irecv), when its work completed (None
     while pending, or when the backend's work has no future). ``phase`` is the log's ``phase`` at launch (a
-    label the caller sets, e.g. "backward"), for timelines."""
+    label the caller sets, e.g. "backward"), for timelines. ``ranks``: the global ranks of the call's group."""
 
     name: str
     bytes: int
@@ -101,6 +101,7 @@ class Call:
     done_s: float | None = None
     asynchronous: bool = False
     phase: str | None = None
+    ranks: tuple[int, ...] | None = None     # the group's global ranks (tells apart groups of equal size)
 
 
 @dataclass
@@ -112,9 +113,9 @@ class CollectiveLog:
     phase: str | None = None
 
     def record(self, name: str, n_bytes: int, world_size: int, function: str | None = None,
-               peer: int | None = None) -> Call:
+               peer: int | None = None, ranks: tuple[int, ...] | None = None) -> Call:
         call = Call(name, int(n_bytes), world_size, n_bytes * bus_factor(name, world_size), function or name, peer,
-                    launched_s=time.perf_counter(), phase=self.phase)
+                    launched_s=time.perf_counter(), phase=self.phase, ranks=ranks)
         self.calls.append(call)
         return call
 
@@ -197,6 +198,15 @@ def _peer(function: str, a: dict) -> int | None:
     return None
 
 
+def _group_ranks(group) -> tuple[int, ...] | None:
+    if not dist.is_initialized():
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    except (RuntimeError, ValueError):     # not a group this rank belongs to: the call itself will say so
+        return None
+
+
 def _mark_done(call: Call, result) -> None:
     """done_s now for a blocking call; when its work's future completes for an asynchronous one."""
     if not hasattr(result, "get_future"):
@@ -237,7 +247,7 @@ def count_collectives(log: CollectiveLog | None = None) -> Iterator[CollectiveLo
                     world = dist.get_world_size(group) if dist.is_initialized() else 1
                     name = COURSE_NAMES[_function]
                     call = log.record(name, _message(_function, bound, world), world, _function,
-                                      _peer(_function, bound))
+                                      _peer(_function, bound), _group_ranks(group))
                 with uncounted():
                     result = _original(*args, **kwargs)
                 if call is not None:
@@ -266,7 +276,7 @@ def count_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel, log: Collect
     def counting_allreduce(process_group, bucket):
         buffer = bucket.buffer()
         call = log.record("all_reduce", buffer.numel() * buffer.element_size(), dist.get_world_size(process_group),
-                          "ddp_bucket")
+                          "ddp_bucket", ranks=_group_ranks(process_group))
         call.asynchronous = True
         with uncounted():
             future = default_hooks.allreduce_hook(process_group, bucket)

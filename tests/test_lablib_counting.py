@@ -53,7 +53,7 @@ def test_every_collective_and_ddp_on_two_ranks():
     assert calls["scatter"]["bytes"] == 128 and calls["gather"]["bytes"] == 128
     assert calls["isend"]["name"] == "send" and calls["isend"]["peer"] == 1 and calls["isend"]["bytes"] == 64
     assert calls["barrier"]["bytes"] == 0
-    assert all(c["world_size"] == 2 for c in out["calls"])
+    assert all(c["world_size"] == 2 and c["ranks"] == [0, 1] for c in out["calls"])
     # FSDP2, two units: forward and backward all-gathers, one reduce-scatter per unit; each recorded once
     assert out["fsdp"] == {"all_gather": 4, "reduce_scatter": 2}
     # DDP's C++ reducer: one bucket, recorded by the hook, and its hook's own all-reduce not a second time

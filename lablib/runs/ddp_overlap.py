@@ -123,7 +123,7 @@ def finish(model) -> None:
 
 
 def train_step(model, optimizer, batch) -> float:
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()            # set_to_none is the default
     loss = model(*batch)[1]
     loss.backward()
     finish(model)
@@ -176,7 +176,7 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
         # DDP's logger averages its iterations 1-10; the students' classes need only a few steps.
         for step in range(config.timeline_steps if variant == "ddp" else 6):
             batch = batches.rank_batch(step)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             recorder.reset()
             grad_ready.clear()
             if bucket_timer is not None:
