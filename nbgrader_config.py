@@ -9,6 +9,9 @@ import os
 c = get_config()  # noqa: F821 - provided by nbgrader
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The gradebook lives in grading/, which a fresh clone does not have (git ignores it): without the folder
+# SQLite cannot open the gradebook and Formgrader's assignment list fails (HTTP 500, "Loading..." for ever).
+os.makedirs(os.path.join(HERE, "grading"), exist_ok=True)
 
 c.CourseDirectory.root = HERE
 c.CourseDirectory.course_id = "distributed-training-labs"

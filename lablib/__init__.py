@@ -25,7 +25,7 @@ Read it like a table of contents:
 - ``lablib.benchmark`` ``StepMeter``: one way to measure every variant's step (time, memory, collectives) from
                        the modules above (lab 05)
 - ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)
-- ``lablib.checks``    the assertions the notebooks' graded tests use (clear messages, with hints)
+- ``lablib.checks``    the assertions the notebooks' graded tests use (clear messages, with hints); a stub's error in one line
 - ``lablib.plots``     the course's matplotlib conventions
 - ``lablib.runs``      the multi-process steps, one module per step
 

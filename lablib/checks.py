@@ -48,3 +48,55 @@ def check_true(condition: bool, what: str, hint: str = "") -> None:
 def check_finite_number(value, what: str, hint: str = "") -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         _fail(what, "a finite number", repr(value), hint)
+
+
+# --- an unwritten exercise, as the student sees it in JupyterLab ---------------------------------------------
+
+def _is_student_code(filename: str) -> bool:
+    """A notebook cell (ipykernel's /tmp/ipykernel_*/N.py, or <ipython-input-...>) or an exercise module file."""
+    return "ipykernel_" in filename or filename.startswith("<ipython-input") or filename.endswith("_impl.py")
+
+
+def unwritten_exercise_message(error: BaseException) -> str | None:
+    """The course's one-line message for a NotImplementedError raised by a released exercise stub (no message,
+    raised in a notebook cell or an exercise module): which function and what to do. None for any other
+    NotImplementedError (a library's, or one with its own message), which keeps its full traceback."""
+    if not isinstance(error, NotImplementedError) or str(error):
+        return None
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or not _is_student_code(tb.tb_frame.f_code.co_filename):
+        return None
+    name = tb.tb_frame.f_code.co_name
+    what = "this cell" if name == "<module>" else f"{name}()"
+    return (f"{what} is not written yet: in its exercise cell replace 'raise NotImplementedError()' under "
+            f"'# YOUR CODE HERE' with your code, run that cell, then run this one again")
+
+
+def show_unwritten_exercises_briefly(shell=None) -> bool:
+    """In an IPython kernel, show a stub's NotImplementedError as the course's short message instead of a
+    traceback wall. It is still an error (the cell fails, nbgrader gives no points); any other exception keeps
+    IPython's traceback. Installed when this module is imported in a kernel; returns whether it is active."""
+    if shell is None:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return False
+        shell = get_ipython()
+    if shell is None:
+        return False
+
+    def handler(shell, etype, value, tb, tb_offset=None):
+        message = unwritten_exercise_message(value)
+        if message is None:
+            shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+            return None
+        shell._showtraceback(etype, value, [f"NotImplementedError: {message}"])
+        return None
+
+    shell.set_custom_exc((NotImplementedError,), handler)
+    return True
+
+
+show_unwritten_exercises_briefly()
