@@ -206,7 +206,7 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
                           "overlap_fraction": overlap_fraction(comm, compute_end)})
         timed = steps[1:]                      # iteration 0 builds buckets and warms caches
         mine = {"median_overlap_fraction": statistics.median(s["overlap_fraction"] for s in timed),
-                "step": timed[len(timed) // 2], "median_step_s": statistics.median(s["end"] for s in timed)}
+                "step": timed[len(timed) // 2], "rank_median_step_s": statistics.median(s["end"] for s in timed)}   # this rank's own: the timeline is per rank
         if variant == "ddp":
             logged = model._get_ddp_logging_data()   # what DDP's logger reports about itself (ns)
             comm_ns = logged.get("avg_backward_comm_time", 0)

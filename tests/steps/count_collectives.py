@@ -48,7 +48,9 @@ with counting.count_collectives() as wrapper:
 with counting.count_collectives(async_log):
     work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
     work.wait()
-    time.sleep(0.05)                                      # the future's callback runs on gloo's thread
+    deadline = time.monotonic() + 30                      # the future's callback runs on gloo's thread: wait for
+    while async_log.calls[0].done_s is None and time.monotonic() < deadline:   # it, however busy the machine
+        time.sleep(0.01)
 bucket = hook.calls[0]
 if rank == 0:
     print(json.dumps({"calls": calls, "fsdp": fsdp.counts(), "ddp_hook": hook.counts(), "ddp_bytes": hook.bytes(),
