@@ -49,12 +49,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, time, channels (n_embd)
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_size)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Sizes are read from c_attn's output, not from C: under tensor parallelism (lab 08) a rank's c_attn
+        # holds its n_head heads' q, k and v rows only (3 * n_head * head_size of them) and n_head is its own.
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        # (B, T, n_head * head_size) -> (B, n_head, T, head_size)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
 class MLPBlock(nn.Module):
