@@ -4,6 +4,8 @@ The run script is driven here with the naive all-reduce (lablib's baseline) as t
 solution of the lab's exercise is needed: its byte counts are known in closed form.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,3 +107,74 @@ def test_deadlock_fails_fast_with_a_message(tmp_path):
 def test_unknown_dtype_rejected_before_start():
     with pytest.raises(ValueError, match="not supported"):
         launch.run("ring_allreduce", {"dtypes": ("float8",)}, nproc=2, timeout_s=10)
+
+
+# --- the rehearsal in threads ----------------------------------------------------------------------------
+
+from lablib.p2p import DeadlockError, RehearsalError, rehearse_ring, run_in_threads  # noqa: E402
+from lablib.runs.ring_allreduce import naive_all_reduce  # noqa: E402
+
+
+def test_threads_sum_like_processes_and_count_the_same_bytes():
+    rows = rehearse_ring(naive_all_reduce, world_sizes=(2, 3), sizes=(5,), shapes=("4x250",), dtypes=("float32", "bfloat16"))
+    assert [(r["world_size"], r["shape"], r["dtype"]) for r in rows] == [
+        (n, shape, dtype) for n in (2, 3) for dtype in ("float32", "bfloat16") for shape in ([5], [4, 250])]
+    for r in rows:   # the same closed form as the torchrun test above
+        n, M = r["world_size"], r["n_bytes"]
+        assert r["max_abs_err"] == 0.0 and r["returned_input"] and r["direct_calls"] == []
+        assert r["bytes_sent"] == [(n - 1) * M] + [M] * (n - 1)
+        assert r["bytes_received"] == r["bytes_sent"]
+        assert r["sent_to_ranks"] == [list(range(1, n))] + [[0]] * (n - 1)
+
+
+def test_blocking_sends_facing_each_other_deadlock_at_once_and_say_who_waits():
+    def both_send_first(comm):
+        x = torch.zeros(4)
+        comm.send(x, 1 - comm.rank)
+        comm.recv(x, 1 - comm.rank)
+
+    t0 = time.perf_counter()
+    with pytest.raises(DeadlockError, match="rank 0 waits for its send to rank 1; rank 1 waits for its send to rank 0"):
+        run_in_threads(2, both_send_first, timeout_s=30)
+    assert time.perf_counter() - t0 < 5          # seen when both wait, not at the timeout
+
+
+def test_isend_irecv_then_wait_does_not_deadlock_and_moves_the_bytes():
+    def swap(comm):
+        mine, theirs = torch.full((3,), float(comm.rank)), torch.empty(3)
+        works = [comm.isend(mine, 1 - comm.rank), comm.irecv(theirs, 1 - comm.rank)]
+        for w in works:
+            w.wait()
+        return theirs.tolist()
+
+    assert run_in_threads(2, swap) == [[1.0] * 3, [0.0] * 3]
+
+
+def test_size_mismatch_is_a_clear_error():
+    def mismatch(comm):
+        if comm.rank == 0:
+            comm.send(torch.zeros(4, dtype=torch.bfloat16), 1)
+        else:
+            comm.recv(torch.zeros(4), 0)
+
+    with pytest.raises(RehearsalError, match="sent 8 bytes to rank 1, which received them into a buffer of 16 bytes"):
+        run_in_threads(2, mismatch)
+
+
+def test_a_direct_torch_distributed_call_is_reported_not_raised():
+    def ring_all_reduce(tensor, comm):
+        dist.all_reduce(tensor)
+        return tensor
+
+    rows = rehearse_ring(ring_all_reduce, world_sizes=(2,), sizes=(6,))
+    assert rows[0]["direct_calls"] == ["all_reduce"] and rows[0]["max_abs_err"] == float("inf")
+
+
+def test_a_rank_error_names_the_rank():
+    def fails_on_one(tensor, comm):
+        if comm.rank == 1:
+            raise IndexError("chunk 7")
+        return tensor
+
+    with pytest.raises(RehearsalError, match="rank 1 of 2 .* IndexError: chunk 7"):
+        rehearse_ring(fails_on_one, world_sizes=(2,), sizes=(6,))

@@ -41,12 +41,8 @@ import torch.distributed as dist
 
 from lablib import processes, script, timing
 from lablib.exercise import load_module
-from lablib.p2p import CountingComm, direct_calls
+from lablib.p2p import RING_DTYPES as DTYPES, CountingComm, direct_calls, small_integers, summarise
 from lablib.rankcheck import gather_objects
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int32": torch.int32, "int64": torch.int64}
-
 
 @dataclass(frozen=True)
 class Config:
@@ -135,12 +131,6 @@ def watchdog(rank: int, seconds: float, what: str):
         timer.cancel()
 
 
-def small_integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Integers in [-8, 8]: sums of a few are exact in every dtype, so any reduction order gives the same bits."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
-
-
 def check_sizes(env, config: Config, ring_all_reduce, group) -> list[dict]:
     """Every (world size, dtype, shape) case; rank 0 returns one row per case, the others an empty list."""
     shapes = [(n,) for n in config.sizes] + [parse_shape(s) for s in config.shapes]
@@ -179,27 +169,6 @@ def check_one(env, config: Config, ring_all_reduce, comm: CountingComm, sub, sha
         naive_all_reduce(x.clone(), comm)
     return {"max_abs_err": max_err, "returned_input": returned is got, "direct_calls": sorted({c.function for c in called.calls}),
             "element_size": x.element_size(), "ring": ring_counts, "naive": comm.counts()}
-
-
-def summarise(per_rank: list[dict], world_size: int, shape, dtype_name: str) -> dict:
-    """One JSON row: per-rank lists in rank order (index = rank in the checked group)."""
-    numel, element_size = math.prod(shape), per_rank[0]["element_size"]
-    return {
-        "world_size": world_size, "numel": numel, "shape": list(shape), "dtype": dtype_name,
-        "element_size": element_size, "n_bytes": numel * element_size,
-        "max_abs_err": max(r["max_abs_err"] for r in per_rank),
-        "returned_input": all(r["returned_input"] for r in per_rank),
-        # torch.distributed functions the student's code called itself, on any rank (should be none)
-        "direct_calls": sorted({name for r in per_rank for name in r["direct_calls"]}),
-        **{key: [r["ring"][key] for r in per_rank]
-           for key in ("bytes_sent", "bytes_received", "sends", "recvs", "largest_send")},
-        # per rank: the ranks it sent to / received from (sorted), and the bytes per peer
-        "sent_to_ranks": [sorted(r["ring"]["sent_to"]) for r in per_rank],
-        "received_from_ranks": [sorted(r["ring"]["received_from"]) for r in per_rank],
-        "sent_to": [r["ring"]["sent_to"] for r in per_rank],
-        "naive_bytes_sent": [r["naive"]["bytes_sent"] for r in per_rank],
-        "naive_bytes_received": [r["naive"]["bytes_received"] for r in per_rank],
-    }
 
 
 def benchmark(env, config: Config, ring_all_reduce, group) -> dict:
