@@ -6,29 +6,11 @@ there, so a change to the solution cannot silently turn a wrong answer into the 
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-import nbformat
+from wrong_answers import SolutionCells
 
 LAB = "06_ddp_from_scratch"
-_NB = nbformat.read(Path(__file__).resolve().parents[2] / "solutions" / LAB / f"{LAB}.ipynb", as_version=4)
-_MARKERS = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[ \t]*(\n|$)", re.MULTILINE)
-
-
-def _solution(grade_id: str) -> str:
-    for cell in _NB.cells:
-        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id:
-            return _MARKERS.sub("", cell.source)
-    raise KeyError(grade_id)
-
-
-def _changed(grade_id: str, *replacements: tuple[str, str]) -> str:
-    source = _solution(grade_id)
-    for old, new in replacements:
-        assert old in source, f"{grade_id}: the solution no longer contains {old!r}"
-        source = source.replace(old, new)
-    return source
+_cells = SolutionCells(LAB)
+_solution, _changed = _cells.source, _cells.changed
 
 
 _HOOK_LOOP = '''        for param in module.parameters():
