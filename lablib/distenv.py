@@ -111,6 +111,19 @@ def gloo_gaps(device: torch.device, world_size: int) -> list[str]:
     return gaps
 
 
+def attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's rendezvous store, with a key namespace of its own for this attempt of the worker group.
+
+    ``torchrun --max-restarts N`` starts a new worker group after a failure, against the same store. The
+    new ranks would find the keys the dead ranks wrote (gloo's addresses among them) and try to connect to
+    processes that no longer exist ("Gloo connectFullMesh failed ... Connection refused"). Prefixing every
+    key with the attempt number (``TORCHELASTIC_RESTART_COUNT``, 0 on the first start) keeps each attempt's
+    keys apart; the first attempt is unchanged in every other way.
+    """
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 @contextlib.contextmanager
 def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
     """Initialise the process group (with a timeout), yield the DistEnv, always destroy the group.
@@ -127,7 +140,9 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if under_torchrun and not dist.is_initialized():
-        kwargs = {"backend": env.backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs = {"backend": env.backend, "timeout": timeout, "store": attempt_store(timeout),
+                  "rank": env.rank, "world_size": env.world_size}
         if env.backend == "nccl":
             kwargs["device_id"] = env.device
         dist.init_process_group(**kwargs)

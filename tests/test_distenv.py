@@ -1,3 +1,8 @@
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -71,3 +76,36 @@ def test_a_collective_gloo_cannot_serve_is_found_and_named(monkeypatch):
             "reduce_scatter_tensor (ProcessGroupGloo::reduce_scatter: unsupported device type cuda)"]
     finally:
         dist.destroy_process_group()
+
+
+RESTARTED_WORKER = '''
+import os, sys, torch, torch.distributed as dist
+from lablib import distenv
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+with distenv.distributed(timeout_s=60) as env:
+    x = torch.ones(1)
+    dist.all_reduce(x)                       # the group is up: gloo's addresses are in the store
+    if attempt == 0 and env.rank == 1:
+        os._exit(3)                          # a worker dies; torchrun restarts the whole group
+    dist.all_reduce(x)
+    if env.is_main:
+        open(sys.argv[1], "w").write(f"{attempt} {x.item():g} {env.world_size}")
+'''
+
+
+def test_a_group_restarted_by_torchrun_initialises_again(tmp_path):
+    """torchrun --max-restarts: the second attempt's ranks must not find the first attempt's gloo addresses
+    in the rendezvous store (without distenv.attempt_store they try to connect to the dead ranks and hang)."""
+    script, out = tmp_path / "worker.py", tmp_path / "out.txt"
+    script.write_text(RESTARTED_WORKER)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", "1", str(script), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail("the restarted group hung:\n" + output[-3000:])
+    assert proc.returncode == 0, output[-3000:]
+    assert out.read_text() == "1 4 2"          # attempt 1 finished: 1 + 1, twice all-reduced over 2 ranks
