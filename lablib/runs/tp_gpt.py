@@ -1,0 +1,132 @@
+"""Lab 08's GPT step: the course GPT three ways in one run, on the same batches from the same weights:
+
+- ``single``: one process (every rank computes it; the reference);
+- ``by_hand``: every block's MLP and attention replaced by the students' classes (``lablib.tensor_parallel.
+  apply_by_hand``), their own f and g, collectives counted with ``lablib.counting``;
+- ``dtensor_blocks``: PyTorch's ``parallelize_module`` on the blocks (``apply_dtensor``), the same split as by hand;
+- ``dtensor``: the same with the vocabulary split too, the loss under ``loss_parallel``;
+- ``dtensor_sp``: the blocks with sequence parallelism (``SequenceParallel`` on the norms).
+
+DTensor's collectives are counted with ``torch.distributed.tensor.debug.CommDebugMode``; the activation bytes
+each rank saves for the backward in the first forward with ``lablib.memory.SavedActivations``.
+
+    torchrun --standalone --nproc-per-node 2 -m lablib.runs.tp_gpt --mlp-impl tp_mlp_impl.py \\
+        --attention-impl tp_attention_impl.py --steps 3 --out out.json
+
+Each variant trains ``steps`` plain SGD steps; the losses per step, the largest difference of every gathered
+gradient from the single process's after the first backward, the collectives per forward and backward and
+the parameter and saved-activation bytes per rank are written by rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lablib import counting, data, script, tensor_parallel, tp_probes
+from lablib.ddp_probes import sgd_step_, zero_grad_
+from lablib.memory import SavedActivations
+from lablib.models import GPT, gpt_config
+
+
+@dataclass(frozen=True)
+class Config:
+    mlp_impl: str = "tp_mlp_impl.py"               # exercise 2's file
+    attention_impl: str = "tp_attention_impl.py"   # exercise 3's file (both import exercise 1's f and g)
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    block_size: int = 32
+    batch_size: int = 8
+    steps: int = 3
+    lr: float = 0.1
+    seed: int = 0
+
+    def validate(self) -> None:
+        if min(self.n_layer, self.n_head, self.n_embd, self.block_size, self.batch_size, self.steps) < 1:
+            raise ValueError("every size and steps must be at least 1")
+        gpt_config(self)                           # n_embd divisible by n_head, said in full there
+
+
+def _comm_counts(mode) -> dict[str, int]:
+    """CommDebugMode's counts by the collective's name (c10d_functional.all_reduce -> all_reduce)."""
+    return {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
+
+
+def run(env, config: Config) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    tp = env.world_size
+    tokenizer, train, _ = data.shakespeare_datasets(config.block_size)
+    g = torch.Generator().manual_seed(config.seed)
+    batches = []
+    for _ in range(config.steps):
+        rows = [train[i] for i in torch.randint(len(train), (config.batch_size,), generator=g).tolist()]
+        batches.append((torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])))
+    torch.manual_seed(config.seed)
+    single = GPT(gpt_config(config, tokenizer.vocab_size))
+    mlp = tp_probes.load_impl(config.mlp_impl, ("TensorParallelMLP",), reference_comm=False)
+    attention = tp_probes.load_impl(config.attention_impl, ("TensorParallelAttention",), reference_comm=False)
+    group = dist.group.WORLD
+    by_hand = tensor_parallel.apply_by_hand(copy.deepcopy(single), group, mlp.TensorParallelMLP,
+                                            attention.TensorParallelAttention, tp)
+    mesh = init_device_mesh(env.device.type, (tp,))
+    variants = {
+        "single": single,
+        "by_hand": by_hand,
+        "dtensor_blocks": tensor_parallel.apply_dtensor(copy.deepcopy(single), mesh),
+        "dtensor": tensor_parallel.apply_dtensor(copy.deepcopy(single), mesh, vocab_parallel=True),
+        "dtensor_sp": tensor_parallel.apply_dtensor(copy.deepcopy(single), mesh, sequence_parallel=True),
+    }
+    out = {"tp": tp, "losses": {}, "grad_max_diff": {}, "comm": {}, "saved_activation_bytes": {},
+           "bytes_per_rank": {name: tensor_parallel.local_param_bytes(model) for name, model in variants.items()},
+           "activation_bytes": config.batch_size * config.block_size * config.n_embd * 4,
+           "vocab_size": tokenizer.vocab_size}
+    for name, model in variants.items():
+        losses, comm = [], {"forward": [], "backward": []}
+        # loss_parallel: the cross-entropy of vocabulary-sharded logits, forward and backward inside the context
+        loss_context = loss_parallel if name == "dtensor" else contextlib.nullcontext
+        for step, (x, y) in enumerate(batches):
+            zero_grad_(model.parameters())
+            for phase in ("forward", "backward"):
+                log, mode = counting.CollectiveLog(), CommDebugMode()
+                saved = SavedActivations(parameters_of=model) if phase == "forward" else contextlib.nullcontext()
+                with loss_context(), counting.count_collectives(log), mode, saved:
+                    if phase == "forward":
+                        _, loss = model(x, y)
+                    else:
+                        loss.backward()
+                if phase == "forward" and step == 0:
+                    out["saved_activation_bytes"][name] = saved.bytes
+                # Collectives the course's code calls are in lablib.counting's log; DTensor's (functional
+                # collectives, below torch.distributed's Python functions) only in CommDebugMode's counts.
+                counts = dict(Counter(c.name for c in log.calls)) if log.calls else _comm_counts(mode)
+                comm[phase].append({"counts": counts, "bytes": log.bytes() if log.calls else None})
+            losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+            if step == 0:
+                grads = tensor_parallel.full_gradients(model, group, 1 if name == "single" else tp)
+                if name == "single":
+                    reference = grads
+                else:
+                    out["grad_max_diff"][name] = max((grads[k] - reference[k]).abs().max().item() for k in reference)
+            sgd_step_(model.parameters(), config.lr)
+        out["losses"][name] = losses
+        if name != "single":
+            out["comm"][name] = comm
+        script.progress(env, list(variants).index(name) + 1, len(variants))
+    return out
+
+
+def main() -> None:
+    script.main(Config, run)
+
+
+if __name__ == "__main__":
+    main()
