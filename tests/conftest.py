@@ -29,6 +29,16 @@ def lab_times():
     return LAB_TIMES
 
 
+# lab -> the solution notebook as nbgrader's autograding executed it in this run (tests/test_labs.py records
+# it; tests/test_book.py builds the book from these executions instead of running every lab again).
+AUTOGRADED_SOLUTIONS: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def autograded_solutions():
+    return AUTOGRADED_SOLUTIONS
+
+
 def pytest_runtest_logreport(report):
     match = LAB_ID.search(report.nodeid)
     if match:

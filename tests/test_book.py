@@ -21,9 +21,6 @@ from book import build as book
 
 pytestmark = pytest.mark.slow
 ARTEFACT = labkit.REPO / "test-artifacts" / "book"
-# Where test_solution_full_marks_and_release_zero's tmp_path (its name cut to 30 characters, numbered) keeps
-# the autograded solution of each lab (instructor.course.CourseLayout.isolated).
-AUTOGRADED = "test_solution_full_marks_and_r*/course/autograded/solution/{lab}/{lab}.ipynb"
 AUTOGRADE_TEST = "test_labs.py::test_solution_full_marks_and_release_zero"
 SEEDED_BY = ("Executed headless by the test suite's nbgrader autograding of the solution "
              "(NBGRADER_EXECUTION set: reduced sizes)")
@@ -44,17 +41,15 @@ def linked_labs(lab: str, labs: list[str]) -> set[str]:
 
 
 @pytest.mark.order("last")
-def test_book_shows_every_lab_with_its_figures(request, tmp_path_factory):
+def test_book_shows_every_lab_with_its_figures(request, autograded_solutions):
     labs = labkit.labs()
     graded_here = {lab for lab in labs if any(f"{AUTOGRADE_TEST}[{lab}]" in item.nodeid for item in request.session.items)}
-    base = tmp_path_factory.getbasetemp()
-    seeds = {lab: sorted(base.glob(AUTOGRADED.format(lab=lab)))[-1] for lab in graded_here
-             if list(base.glob(AUTOGRADED.format(lab=lab)))}
-    if not seeds:
+    seeds = {lab: path for lab, path in autograded_solutions.items() if lab in graded_here}
+    if not graded_here:
         pytest.fail(f"no lab's solution was executed in this run, and the book test only reuses those executions: run it "
                     f"with {AUTOGRADE_TEST} (the whole suite does; by hand: launchers/test -k 'book or full_marks')")
     missing = graded_here - set(seeds)
-    assert not missing, f"{AUTOGRADE_TEST} ran for {sorted(missing)} but left no autograded notebook in {base}"
+    assert not missing, f"{AUTOGRADE_TEST} ran for {sorted(missing)} but did not pass, so there is no execution to build from"
 
     check_book(labs, seeds)
 

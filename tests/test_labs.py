@@ -99,7 +99,7 @@ def test_every_exercise_has_tests_and_a_wrong_answer(lab):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lab", LABS)
-def test_solution_full_marks_and_release_zero(lab, tmp_path, lab_times):
+def test_solution_full_marks_and_release_zero(lab, tmp_path, lab_times, autograded_solutions):
     submissions = {"solution": labkit.SOLUTIONS / lab / f"{lab}.ipynb", "release": labkit.LABS / lab / f"{lab}.ipynb"}
     layout = course.CourseLayout.isolated(tmp_path / "course", lab)
     results = {r.student: r for r in course.grade(lab, submissions, layout,
@@ -113,6 +113,9 @@ def test_solution_full_marks_and_release_zero(lab, tmp_path, lab_times):
     assert release.status == "ok", f"the release must autograde (to zero) within {AUTOGRADE_LIMIT_S} s: {release.message}"
     assert release.auto_score == 0, f"the unmodified release scored {release.auto_score}: {release.cells}"
     assert (tmp_path / "course" / "feedback" / "solution" / lab / f"{lab}.html").is_file(), "no feedback HTML generated"
+    executed = tmp_path / "course" / "autograded" / "solution" / lab / f"{lab}.ipynb"
+    assert executed.is_file(), f"nbgrader left no autograded notebook at {executed}"
+    autograded_solutions[lab] = executed
 
 
 @pytest.mark.slow
