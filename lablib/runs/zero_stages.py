@@ -1,0 +1,183 @@
+"""Lab 07's measurement: the students' ZeRO-1 and ZeRO-2 next to DDP, ZeroRedundancyOptimizer and FSDP2.
+
+    torchrun --standalone --nproc-per-node 2 -m lablib.runs.zero_stages --zero1-impl zero1_impl.py \\
+        --zero2-impl zero2_impl.py --out zero_stages.json
+
+Lab 04's GPT, batches and PyTorch variants (``lablib.runs.zero_memory``: DDP, DDP + ZeroRedundancyOptimizer,
+FSDP2 with and without resharding after the forward), plus the students' classes:
+
+- ``zero1_yours``  DDP (``gradient_as_bucket_view``) + the student's ``ShardedOptimizer(AdamW)``;
+- ``zero2_yours``  the student's ``ZeRO2(model, AdamW)``: no DDP, its own reduce-scatter and all-gather.
+
+Every variant trains the same AdamW steps from the same weights on the same batches. In the last step each rank
+counts what it holds after the forward, the backward and the step (storages, each once: ``memory.model_state_bytes``
+for PyTorch's variants, ``zero_probes.held_bytes`` for the students', which also finds state kept under any
+name) and records every collective it calls (``lablib.counting``; DDP's bucket all-reduces through its
+communication hook). Each step is timed (``lablib.timing``), and the two ZeRO-1s (yours and PyTorch's) are
+timed again taking turns (``paired_step_times``); rank 0 writes losses, bytes, collectives and times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lablib import counting, memory, rankcheck, script, timing
+from lablib.ddp_probes import load_impl
+from lablib.exercise import require_file
+from lablib.models import GPT
+from lablib.runs.zero_memory import Config as Lab04Config, apply_ddp, batches, held_params, shard_every_layer
+from lablib.zero_probes import held_bytes
+
+VARIANTS = ("ddp", "zero1_torch", "zero1_yours", "zero2_yours", "fsdp2_grad_op", "fsdp2_full")
+STAGE = {"ddp": 0, "zero1_torch": 1, "zero1_yours": 1, "zero2_yours": 2, "fsdp2_grad_op": 2, "fsdp2_full": 3}
+PHASES = ("after_forward", "after_backward", "after_step")
+
+
+@dataclass(frozen=True)
+class Config:
+    zero1_impl: str = "zero1_impl.py"   # the exercise files the notebook writes
+    zero2_impl: str = "zero2_impl.py"
+    variants: tuple[str, ...] = VARIANTS
+    steps: int = 4                      # AdamW steps per variant; bytes and collectives from the last one
+    warmup: int = 1                     # steps left out of the step time
+    rounds: int = 4                     # paired timing of the two ZeRO-1s: rounds of turns, 3 steps each
+
+    def validate(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown or not self.variants:
+            raise ValueError(f"variants={self.variants!r}: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+        if self.steps < 2 or not 0 <= self.warmup < self.steps:
+            raise ValueError(f"steps={self.steps} (at least 2) and warmup={self.warmup} (fewer than steps)")
+        for v, path in (("zero1_yours", self.zero1_impl), ("zero2_yours", self.zero2_impl)):
+            if v in self.variants:
+                require_file(path)
+
+    def lab04(self) -> Lab04Config:
+        """Lab 04's model, batch and AdamW settings, for as many steps as this run takes."""
+        return Lab04Config(steps=self.steps)
+
+    def validate_world(self, world_size: int) -> None:
+        self.lab04().validate_world(world_size)
+
+
+class _Stepper:
+    """One interface over the variants: forward-backward, then the update, then clearing the gradients."""
+
+    def __init__(self, env, config: Config, variant: str):
+        lab04 = config.lab04()
+        torch.manual_seed(lab04.seed)       # the same initial weights on every rank and in every variant
+        self.model = GPT(lab04.gpt()).to(env.device)
+        self.log = counting.CollectiveLog()
+        self.sharded, self.students = [], None
+        hyper = {"lr": lab04.lr, "weight_decay": lab04.weight_decay}
+        if variant in ("ddp", "zero1_torch"):
+            self.wrapped, self.opt = apply_ddp(self.model, lab04, zero1=variant == "zero1_torch")
+            counting.count_ddp(self.wrapped, self.log)
+        elif variant == "zero1_yours":
+            self.wrapped, _ = apply_ddp(self.model, lab04, zero1=False)
+            counting.count_ddp(self.wrapped, self.log)
+            impl = load_impl(config.zero1_impl, ("ShardedOptimizer",))
+            self.opt = self.students = impl.ShardedOptimizer(self.wrapped.parameters(), torch.optim.AdamW, **hyper)
+        elif variant == "zero2_yours":
+            impl = load_impl(config.zero2_impl, ("ZeRO2",))
+            self.wrapped = self.model
+            self.opt = self.students = impl.ZeRO2(self.model, torch.optim.AdamW, **hyper)
+        else:
+            self.wrapped = shard_every_layer(self.model, reshard_after_forward=variant == "fsdp2_full")
+            self.opt = torch.optim.AdamW(self.model.parameters(), **hyper)
+            self.sharded = list(self.model.parameters())
+
+    def held(self) -> dict:
+        if self.students is not None:
+            return held_bytes(self.model, self.students)
+        return memory.model_state_bytes(held_params(self.model, self.sharded), self.opt)
+
+
+def one_step(s: "_Stepper", env, x, y) -> torch.Tensor:
+    s.opt.zero_grad()
+    _, loss = s.wrapped(x.to(env.device), y.to(env.device))
+    loss.backward()
+    s.opt.step()
+    return loss
+
+
+def paired_step_times(env, config: Config, steps) -> dict:
+    """Your ShardedOptimizer and ZeroRedundancyOptimizer taking turns, 3 steps each per round, the first of the
+    two alternating by round; per round the ratio of the two medians (each step the slowest rank's), then the
+    median of the ratios: a burst of load from another program slows both sides of a round alike."""
+    pair = {v: _Stepper(env, config, v) for v in ("zero1_yours", "zero1_torch")}
+    for s in pair.values():                    # warm-up: the first step builds buckets and optimizer state
+        one_step(s, env, *steps[0])
+    rounds = []
+    for r in range(config.rounds):
+        order = list(pair) if r % 2 == 0 else list(pair)[::-1]
+        times = {}
+        for v in order:
+            per_step = []
+            for x, y in steps[:3]:
+                timing.barrier(env.device)
+                with timing.stopwatch(per_step, env.device):
+                    one_step(pair[v], env, x, y)
+            times[v] = timing.median(timing.slowest_rank(per_step, env.device))
+        rounds.append({**times, "ratio": times["zero1_yours"] / times["zero1_torch"]})
+    return {"rounds": rounds, "median_ratio": timing.median([r["ratio"] for r in rounds])}
+
+
+def train_variant(env, config: Config, variant: str, steps) -> dict:
+    s = _Stepper(env, config, variant)
+    losses, held, times = [], {}, []
+    for i, (x, y) in enumerate(steps):
+        last = i == len(steps) - 1
+        s.log.reset()
+        timing.barrier(env.device)
+        with counting.count_collectives(s.log), timing.stopwatch(times, env.device):
+            s.opt.zero_grad()
+            s.log.phase = "forward"
+            _, loss = s.wrapped(x.to(env.device), y.to(env.device))
+            if last:
+                held["after_forward"] = s.held()
+            s.log.phase = "backward"
+            loss.backward()
+            if last:
+                held["after_backward"] = s.held()
+            s.log.phase = "step"
+            s.opt.step()
+        if last:
+            held["after_step"] = s.held()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)            # equal shares: the mean of the ranks' means
+        losses.append(global_loss.item() / env.world_size)
+    calls = {}
+    for c in s.log.calls:                       # the last step's collectives, by name
+        entry = calls.setdefault(c.name, {"calls": 0, "bytes": 0, "bus_bytes": 0.0})
+        entry["calls"] += 1
+        entry["bytes"] += c.bytes
+        entry["bus_bytes"] += c.bus_bytes
+    held["peak_phase"] = max(PHASES, key=lambda p: held[p]["total"])
+    return {"losses": losses, "memory": held, "collectives": calls,
+            **timing.step_times(times, env.device, warmup=config.warmup)}
+
+
+def run(env, config: Config) -> dict:
+    steps = batches(config.lab04(), env.rank, env.world_size)
+    n_params = sum(p.numel() for p in GPT(config.lab04().gpt()).parameters())
+    result = {"n_params": n_params, "world_size": env.world_size, "stage": STAGE, "variants": {}}
+    for i, variant in enumerate(config.variants):
+        mine = train_variant(env, config, variant, steps)
+        result["variants"][variant] = {**mine, "memory_per_rank": rankcheck.gather_objects(mine.pop("memory"), env)}
+        script.progress(env, i + 1, len(config.variants), variant=variant, loss=mine["losses"][-1])
+    if {"zero1_yours", "zero1_torch"} <= set(config.variants) and config.rounds > 0:
+        result["paired"] = paired_step_times(env, config, steps)
+    dist.barrier()   # every rank leaves together
+    return result
+
+
+def main() -> None:
+    script.main(Config, run)
+
+
+if __name__ == "__main__":
+    main()

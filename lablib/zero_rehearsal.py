@@ -1,0 +1,189 @@
+"""Lab 07's rehearsal: the students' ZeRO classes on N ranks that are threads of this process, before any
+``torchrun`` start (a few seconds instead of tens; most wrong answers fail here).
+
+While ``thread_ranks(n)`` is open, the ``torch.distributed`` functions the lab's classes and its probe call
+(``get_rank``, ``get_world_size``, ``broadcast``, ``all_reduce``, ``reduce_scatter_tensor``,
+``all_gather_into_tensor``, ``all_gather``, ``all_gather_object``, ``barrier``) are replaced by versions that
+exchange tensors between the threads: every collective is a rendezvous of all N threads, each puts its input in
+its slot, and each computes the result from all the slots in rank order (a sum adds rank 0's first). A thread
+that calls a collective the others do not call waits at the rendezvous until ``timeout_s``, then every thread
+gets a ``RehearsalDeadlock`` naming the collective: the hang a real run would have, reported at once.
+
+It is a rehearsal, never the graded run: the real ``torchrun`` check follows it (gloo's own sums may add in
+another order; the thread version is exact in rank order). A class that calls a function not listed above
+gets ``RehearsalUnsupported`` and the notebook goes straight to the real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+_local = threading.local()
+
+
+class RehearsalDeadlock(RuntimeError):
+    pass
+
+
+class RehearsalUnsupported(RuntimeError):
+    pass
+
+
+class _Done:
+    """What an ``async_op=True`` call returns: the work is already complete."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _World:
+    def __init__(self, n: int, timeout_s: float):
+        self.n = n
+        self.slots: list = [None] * n
+        self.barrier = threading.Barrier(n, timeout=timeout_s)
+
+    def exchange(self, what: str, value) -> list:
+        """Every rank's value, in rank order (each thread calls it with its own)."""
+        try:
+            self.slots[_local.rank] = value
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()              # nobody writes the next call's slot before all have read this one
+            return out
+        except threading.BrokenBarrierError:
+            raise RehearsalDeadlock(f"rank {_local.rank} waited in {what} for ranks that never called it (on "
+                                    f"real ranks: a hang until the collective timeout); every rank must call "
+                                    f"the same collectives in the same order") from None
+
+
+def _reduce(values: list[torch.Tensor], op) -> torch.Tensor:
+    out = values[0].clone()
+    for v in values[1:]:
+        if op in (None, dist.ReduceOp.SUM):
+            out += v
+        elif op == dist.ReduceOp.MAX:
+            out = torch.maximum(out, v)
+        elif op == dist.ReduceOp.MIN:
+            out = torch.minimum(out, v)
+        else:
+            raise RehearsalUnsupported(f"reduce op {op}")
+    return out
+
+
+def _fake_functions(world: _World) -> dict[str, Callable]:
+    def done(async_op):
+        return _Done() if async_op else None
+
+    def broadcast(tensor, src=0, group=None, async_op=False, **_):
+        values = world.exchange("broadcast", tensor.detach().clone() if _local.rank == src else None)
+        with torch.no_grad():
+            tensor.copy_(values[src])
+        return done(async_op)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, **_):
+        values = world.exchange("all_reduce", tensor.detach().clone())
+        with torch.no_grad():
+            tensor.copy_(_reduce(values, op))
+        return done(async_op)
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, **_):
+        if input.numel() != world.n * output.numel():
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, output {output.numel()}; "
+                             f"the input must be world_size x the output ({world.n} x {output.numel()})")
+        values = world.exchange("reduce_scatter_tensor", input.detach().clone())
+        with torch.no_grad():
+            output.copy_(_reduce(values, op).flatten().chunk(world.n)[_local.rank].view_as(output))
+        return done(async_op)
+
+    def all_gather_into_tensor(output, input, group=None, async_op=False, **_):
+        if output.numel() != world.n * input.numel():
+            raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, input {input.numel()}; "
+                             f"the output must be world_size x the input ({world.n} x {input.numel()})")
+        values = world.exchange("all_gather_into_tensor", input.detach().clone())
+        with torch.no_grad():
+            output.copy_(torch.cat([v.flatten() for v in values]).view_as(output))
+        return done(async_op)
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False, **_):
+        values = world.exchange("all_gather", tensor.detach().clone())
+        with torch.no_grad():
+            for out, v in zip(tensor_list, values):
+                out.copy_(v)
+        return done(async_op)
+
+    def all_gather_object(object_list, obj, group=None, **_):
+        object_list[:] = world.exchange("all_gather_object", obj)
+
+    def barrier(group=None, async_op=False, **_):
+        world.exchange("barrier", None)
+        return done(async_op)
+
+    def unsupported(name):
+        def call(*args, **kwargs):
+            raise RehearsalUnsupported(f"torch.distributed.{name} is not rehearsed in threads")
+        return call
+
+    fakes = {"get_rank": lambda group=None: _local.rank, "get_world_size": lambda group=None: world.n,
+             "is_initialized": lambda: True, "broadcast": broadcast, "all_reduce": all_reduce,
+             "reduce_scatter_tensor": reduce_scatter_tensor, "reduce_scatter_single": reduce_scatter_tensor,
+             "all_gather_into_tensor": all_gather_into_tensor, "all_gather_single": all_gather_into_tensor,
+             "all_gather": all_gather, "all_gather_object": all_gather_object, "barrier": barrier}
+    for name in ("reduce_scatter", "reduce", "scatter", "gather", "send", "recv", "isend", "irecv", "all_to_all",
+                 "all_to_all_single", "broadcast_object_list", "new_group"):
+        fakes[name] = unsupported(name)
+    return fakes
+
+
+@contextlib.contextmanager
+def _patched(fakes: dict[str, Callable]):
+    saved = {name: getattr(dist, name) for name in fakes if hasattr(dist, name)}
+    for name, fake in fakes.items():
+        setattr(dist, name, fake)
+    try:
+        yield
+    finally:
+        for name in fakes:
+            if name in saved:
+                setattr(dist, name, saved[name])
+            else:
+                delattr(dist, name)
+
+
+def run_in_thread_ranks(world_size: int, fn: Callable[[int], object], timeout_s: float = 20.0) -> list:
+    """fn(rank) on world_size threads that stand in for ranks; [rank 0's return, rank 1's, ...]. An exception in
+    any thread is raised here (a deadlock's, if that is all there is, or the first other one)."""
+    if dist.is_initialized():
+        raise RuntimeError("the thread rehearsal needs a process without a process group (it replaces "
+                           "torch.distributed's functions for a moment)")
+    world = _World(world_size, timeout_s)
+    results: list = [None] * world_size
+    errors: list = [None] * world_size
+
+    def body(rank):
+        _local.rank = rank
+        try:
+            results[rank] = fn(rank)
+            if isinstance(results[rank], dict) and results[rank].get("error"):
+                world.barrier.abort()  # a probe that caught an error: the other ranks stop waiting for it
+        except BaseException as exc:  # noqa: BLE001 - collected and raised in the caller's thread
+            errors[rank] = exc
+            world.barrier.abort()      # the others stop waiting for this rank
+
+    with _patched(_fake_functions(world)):
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s * 4)
+    real = [e for e in errors if e is not None and not isinstance(e, RehearsalDeadlock)]
+    if real or any(errors):
+        raise (real or [e for e in errors if e is not None])[0]
+    return results

@@ -1,0 +1,85 @@
+"""Lab 07's probe (lablib.zero_probes) and its run scripts' configs: what a rank holds, counted from storages,
+the graded checks on hand-made results, lab 04's formula loaded from its notebook. No torchrun start here (the
+lab's own tests run them); the optimizers below are the test's own, not the exercise's answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lablib import config as cfg, memory, zero_probes
+from lablib.runs import zero_scratch, zero_stages
+
+
+class _StateUnderAnOddName:
+    """Keeps an AdamW, and a copy of its moments under a name no counter would guess."""
+
+    def __init__(self, params):
+        self.inner = {"x": [torch.optim.AdamW(params)]}
+        self.stash = (torch.zeros(100),)
+
+
+def test_held_bytes_finds_state_wherever_it_is_kept():
+    model = torch.nn.Linear(10, 5)                       # 55 parameters
+    holder = _StateUnderAnOddName(model.parameters())
+    model(torch.ones(2, 10)).sum().backward()
+    holder.inner["x"][0].step()
+    held = zero_probes.held_bytes(model, holder)
+    assert held["params"] == 55 * 4
+    assert held["grads"] == 55 * 4
+    assert held["optimizer"] == zero_probes.adamw_state_bytes(model.parameters()) + 400
+    assert held["total"] == held["params"] + held["grads"] + held["optimizer"]
+
+
+def test_held_bytes_counts_a_view_once_and_a_shard_gradient_as_a_gradient():
+    flat = torch.zeros(12)
+    model = torch.nn.Linear(2, 3)                        # 9 parameters, views of the flat buffer below
+    offset = 0
+    for p in model.parameters():
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    shard = torch.nn.Parameter(flat[6:12])
+    shard.grad = torch.ones(6)
+    held = zero_probes.held_bytes(model, {"shard": shard, "flat": flat})
+    assert held == {"params": 48, "grads": 24, "optimizer": 0, "total": 72}
+
+
+def _zero1_result(state_per_rank, world_size=2):
+    sizes = [8 * 1024 + 4] * 6 + [8 * 32 + 4] * 6
+    return {"case": "mlp", "world_size": world_size, "steps": 10, "error": None, "is_optimizer": True,
+            "param_groups": [{"n_params": 12}], "reference_groups": [{"n_params": 12}], "steps_not_bit_equal": [],
+            "full_state_bytes": sum(sizes), "param_state_bytes": sizes,
+            "held_per_rank": [{"optimizer": s} for s in state_per_rank]}
+
+
+def test_zero1_checks_pass_a_balanced_sharding_and_reject_round_robin_and_replication():
+    total = 6 * (8 * 1024 + 4) + 6 * (8 * 32 + 4)
+    zero_probes.check_probe(_zero1_result([total // 2, total - total // 2]), "zero1")
+    with pytest.raises(AssertionError, match="fullest rank"):        # every weight on rank 0
+        zero_probes.check_probe(_zero1_result([6 * (8 * 1024 + 4), 6 * (8 * 32 + 4)]), "zero1")
+    with pytest.raises(AssertionError, match="summed over the ranks"):  # plain AdamW on every rank
+        zero_probes.check_probe(_zero1_result([total, total]), "zero1")
+
+
+def test_lab04_formula_is_lab04s_notebook_cell():
+    bytes_per_rank, where = zero_probes.lab04_bytes_per_rank()
+    assert bytes_per_rank is not None, where
+    assert where.endswith("04_zero_memory.ipynb")
+    phi = 208_320
+    assert [bytes_per_rank(phi, 4, s, memory.FP32_ADAM) for s in range(4)] == pytest.approx(
+        [16 * phi, 10 * phi, 7 * phi, 4 * phi])
+
+
+def test_run_configs_refuse_bad_options(tmp_path):
+    impl = tmp_path / "zero1_impl.py"
+    impl.write_text("class ShardedOptimizer: pass\n")
+    config = cfg.from_options(zero_scratch.Config, {"impl": str(impl), "runs": ("2:mlp", "4:groups")})
+    assert config.pairs() == [(2, "mlp"), (4, "groups")]
+    config.validate_world(4)
+    with pytest.raises(ValueError, match="nproc=4"):
+        config.validate_world(3)
+    with pytest.raises(ValueError, match="world size:case"):
+        cfg.from_options(zero_scratch.Config, {"impl": str(impl), "runs": ("mlp",)})
+    with pytest.raises(ValueError, match="unknown"):
+        cfg.from_options(zero_stages.Config, {"variants": ("zero4",)})
