@@ -124,3 +124,15 @@ def full_gradients(model: nn.Module, group=None, tp: int = 1) -> dict[str, torch
             grad = gathered(grad, how, group, tp)
         out[name] = grad
     return out
+
+
+def apply_2d(model: nn.Module, mesh) -> nn.Module:
+    """A (dp, tp) mesh: tensor parallelism inside each group of mesh["tp"] ranks (``apply_dtensor``), then FSDP2's
+    ``fully_shard`` across mesh["dp"], each block a unit and the rest in the root's, in torchtitan's order (tensor
+    parallel first, so FSDP2 shards the DTensors tensor parallelism made)."""
+    from torch.distributed.fsdp import fully_shard
+
+    apply_dtensor(model, mesh["tp"])
+    for unit in model.h:
+        fully_shard(unit, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])

@@ -111,3 +111,12 @@ def test_dtensor_plan_on_one_rank_gives_the_single_process_loss_and_gradients(on
 def test_a_degree_that_does_not_divide_is_refused_up_front():
     with pytest.raises(ValueError, match="must divide n_head=4"):
         tensor_parallel.check_divides(GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32)), 3)
+
+
+def test_2d_run_validates_its_mesh_up_front():
+    from lablib.runs import tp_2d
+
+    with pytest.raises(ValueError, match="must split evenly over data_parallel=3"):
+        tp_2d.Config(data_parallel=3).validate()
+    with pytest.raises(ValueError, match="must divide the 3 ranks"):
+        tp_2d.Config().validate_world(3)

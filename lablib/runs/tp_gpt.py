@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections import Counter
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -65,11 +67,9 @@ def run(env, config: Config) -> dict:
 
     tp = env.world_size
     tokenizer, train, _ = data.shakespeare_datasets(config.block_size)
-    g = torch.Generator().manual_seed(config.seed)
-    batches = []
-    for _ in range(config.steps):
-        rows = [train[i] for i in torch.randint(len(train), (config.batch_size,), generator=g).tolist()]
-        batches.append((torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])))
+    # Whole global batches on every rank (a loader for a world of one): the single process trains on them too.
+    whole = data.global_batch_loader(train, config.batch_size, SimpleNamespace(rank=0, world_size=1), config.seed)
+    batches = list(itertools.islice(whole, config.steps))
     torch.manual_seed(config.seed)
     single = GPT(gpt_config(config, tokenizer.vocab_size))
     mlp = tp_probes.load_impl(config.mlp_impl, ("TensorParallelMLP",), reference_comm=False)
