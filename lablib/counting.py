@@ -138,6 +138,19 @@ class CollectiveLog:
         """Calls per collective name."""
         return dict(Counter(c.name for c in self.calls))
 
+    def by_group(self, names: dict[tuple[int, ...], str] | None = None) -> dict[str, dict[str, dict]]:
+        """{group: {collective: {"calls", "bytes"}}}: which process group each call ran in (a DeviceMesh's
+        dimensions, HSDP's shard and replicate groups). A group is named ``names[its ranks]`` when given,
+        else by its ranks ("ranks 0,1"). Bytes are message sizes S, as everywhere in this module."""
+        out: dict[str, dict[str, dict]] = {}
+        for c in self.calls:
+            ranks = tuple(c.ranks) if c.ranks is not None else None
+            group = (names or {}).get(ranks) or ("ranks " + ",".join(map(str, ranks)) if ranks else "?")
+            row = out.setdefault(group, {}).setdefault(c.name, {"calls": 0, "bytes": 0})
+            row["calls"] += 1
+            row["bytes"] += c.bytes
+        return out
+
     def reset(self) -> None:
         self.calls.clear()
 

@@ -5,17 +5,13 @@
 - ``probe_mean``: what ``mean_across_ranks`` returns for known per-rank values;
 - ``fsdp_plan``: which modules are FSDP2 units and the mixed-precision policy *each* unit holds;
 - ``*_without_processes``: the same two looks taken in the notebook's own process before a real run, so a
-  wrong loader or plan fails in a second instead of after a torchrun start;
-- ``flight_recorder_entries`` / ``collectives_by_group``: which process group each collective ran in, from
-  torch's flight recorder (``lablib.counting`` counts them and their bytes; the recorder names the group).
+  wrong loader or plan fails in a second instead of after a torchrun start.
 
 They observe; they do not know how the answer was written (the checks compare with what the docstrings
 promise: disjoint shards, a new order per epoch and per seed, the mean).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -96,33 +92,3 @@ def fsdp_plan_without_processes(apply_fsdp, model) -> dict:
     finally:
         if owned:
             dist.destroy_process_group()
-
-
-def flight_recorder_entries() -> list[dict]:
-    """The collectives torch's flight recorder has recorded in this process so far (oldest first), or [] when
-    it is off: it records only with ``TORCH_FR_BUFFER_SIZE`` set (to the number of entries to keep) before
-    the process group starts. It is PyTorch's own log of what each rank called, with the group it ran in."""
-    import os
-    import pickle
-
-    if not int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0):
-        return []
-    from torch._C._distributed_c10d import _dump_fr_trace       # private, read only: the recorder's dump
-    return list(pickle.loads(_dump_fr_trace()).get("entries", []))
-
-
-def collectives_by_group(entries: list[dict]) -> dict:
-    """{group: {backend operation: {"calls", "input_elements"}}} of flight-recorder entries. A DeviceMesh
-    names its groups after its dimensions (``mesh_shard``, ``mesh_replicate``); the default group is
-    ``default_pg``. The operations are the backend's: gloo runs a reduce-scatter as an ``all_reduce`` of the
-    whole input (lablib.counting names the collective the library asked for)."""
-    out: dict[str, dict[str, dict]] = {}
-    for entry in entries:
-        group = entry.get("process_group", ("", ""))
-        name = group[1] or group[0] or "default_pg"
-        operation = entry.get("profiling_name", "?").split(":")[-1]
-        elements = sum(math.prod(shape) for shape in entry.get("input_sizes", []))
-        row = out.setdefault(name, {}).setdefault(operation, {"calls": 0, "input_elements": 0})
-        row["calls"] += 1
-        row["input_elements"] += elements
-    return out

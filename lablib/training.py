@@ -190,13 +190,17 @@ def save_sharded_checkpoint(model, config, env, val_set) -> dict:
     return out
 
 
-def traced_step(model, optimizer, train_set, config, env, persistent: dict | None = None) -> dict:
+def traced_step(model, optimizer, train_set, config, env, persistent: dict | None = None,
+                group_names: dict | None = None) -> dict:
     """Two more training steps, the second watched (after the measured run, so they change none of its
-    figures): this rank's share of the first global batch, with ``memory.MemoryTimeline`` sampling what the rank holds at
-    every module boundary, and, when torch's flight recorder is on (``TORCH_FR_BUFFER_SIZE``), the process
-    group of every collective the step issued (``probes.collectives_by_group``)."""
+    figures): this rank's share of the first global batch, with ``memory.MemoryTimeline`` sampling what the
+    rank holds at every module boundary and ``lablib.counting`` recording the process group of every
+    collective the step called (``CollectiveLog.by_group``, groups named by ``group_names``: {ranks: name}).
+    DDP all-reduces its buckets in C++, which ``count_collectives`` does not see: a DDP model reports no groups."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lablib.counting import count_collectives
     from lablib.memory import MemoryTimeline
-    from lablib.probes import collectives_by_group, flight_recorder_entries
 
     micro = config.batch_size // env.world_size
     items = [train_set[i] for i in range(env.rank * micro, (env.rank + 1) * micro)]
@@ -205,13 +209,14 @@ def traced_step(model, optimizer, train_set, config, env, persistent: dict | Non
     model(x, y)[1].backward()          # a first step: after an evaluation FSDP2 keeps the root unit gathered
     optimizer.step()
     optimizer.zero_grad()
-    before = flight_recorder_entries()
-    with MemoryTimeline(model, optimizer, persistent) as timeline:
+    with MemoryTimeline(model, optimizer, persistent) as timeline, count_collectives() as log:
         model(x, y)[1].backward()
         optimizer.step()
         optimizer.zero_grad()
-    return {"memory_timeline": timeline.samples,
-            "collectives_by_group": collectives_by_group(flight_recorder_entries()[len(before):])}
+    out = {"memory_timeline": timeline.samples}
+    if not isinstance(model, DistributedDataParallel):
+        out["collectives_by_group"] = log.by_group(group_names)
+    return out
 
 
 def train_in_this_process(train_loop: Callable, config, threads: int = 1) -> list[tuple[int, float]]:

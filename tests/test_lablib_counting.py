@@ -39,6 +39,18 @@ def test_calls_are_recorded_once_and_functions_put_back():
     assert dist.all_reduce is original and log.count("all_reduce") == 1 and log.bytes() == 24
 
 
+def test_calls_are_grouped_by_their_group_ranks():
+    log = counting.CollectiveLog()
+    log.record("all_gather", 100, 2, ranks=(0, 1))
+    log.record("all_gather", 50, 2, ranks=(0, 1))
+    log.record("all_reduce", 40, 2, ranks=(0, 2))
+    log.record("barrier", 0, 4)
+    assert log.by_group({(0, 1): "mesh_shard"}) == {
+        "mesh_shard": {"all_gather": {"calls": 2, "bytes": 150}},
+        "ranks 0,2": {"all_reduce": {"calls": 1, "bytes": 40}},
+        "?": {"barrier": {"calls": 1, "bytes": 0}}}
+
+
 def test_every_collective_and_ddp_on_two_ranks():
     run = launch.run_script(STEP, nproc=2, timeout_s=120, quiet=True)
     assert run.returncode == 0, run.rank_output

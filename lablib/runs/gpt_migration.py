@@ -4,7 +4,7 @@ FSDP2 + activation checkpointing, HSDP and Accelerate, each measured the same wa
     torchrun --standalone --nproc-per-node 1 -m lablib.runs.gpt_migration --variants single --out single.json
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.gpt_migration --variants no_comm,ddp,ddp_accum \\
         --ddp_impl ddp_impl.py --out ddp.json
-    TORCH_FR_BUFFER_SIZE=2000 torchrun --standalone --nproc-per-node 4 -m lablib.runs.gpt_migration \\
+    torchrun --standalone --nproc-per-node 4 -m lablib.runs.gpt_migration \\
         --variants fsdp,hsdp --fsdp_impl fsdp_impl.py --steps 5 --trace_step true --out hsdp.json
 
 Variants (run in the order given, each from the same initial weights, on the same global batch of
@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lablib import config as cfg
 from lablib import data, script, training
@@ -119,7 +120,11 @@ def setup_fsdp(model, env, config, checkpoint_activations: bool = False, hybrid:
     mesh = (init_device_mesh(env.device.type, (2, env.world_size // 2), mesh_dim_names=("replicate", "shard"))
             if hybrid else init_device_mesh(env.device.type, (env.world_size,)))
     model = impl.apply_fsdp(model, mesh)
-    return model, training.reference_parts(), {"fsdp_plan": fsdp_plan(model), "mesh": list(mesh.shape)}
+    # this rank's group along each mesh dimension, by name (traced_step names the collectives' groups with it)
+    groups = {f"mesh_{name}": dist.get_process_group_ranks(mesh.get_group(name)) for name in mesh.mesh_dim_names} \
+        if hybrid else {"mesh": dist.get_process_group_ranks(mesh.get_group())}
+    return model, training.reference_parts(), {"fsdp_plan": fsdp_plan(model), "mesh": list(mesh.shape),
+                                               "mesh_groups": groups}
 
 
 def setup_accelerate(model, env, config):
@@ -196,7 +201,8 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
         result["dcp"] = training.save_sharded_checkpoint(model, config, env, val_set)
     if config.trace_step and variant in ("ddp", "fsdp", "hsdp"):
         traced = training.traced_step(trained, optimizer, train_set, config, env,
-                                      {"ddp_buckets": result["memory"].get("ddp_buckets", 0)})
+                                      {"ddp_buckets": result["memory"].get("ddp_buckets", 0)},
+                                      {tuple(ranks): name for name, ranks in result.get("mesh_groups", {}).items()})
         result.update(traced if env.is_main else {})   # rank 0's timeline; the groups are the same on every rank
     return result
 
