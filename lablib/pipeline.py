@@ -55,9 +55,9 @@ class GPTStage(nn.Module):
     With one stage, ``stage(ids, targets)`` is the whole model's loss.
     """
 
-    def __init__(self, model: GPT, layers: range, first: bool, last: bool):
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool, loss: bool = True):
         super().__init__()
-        self.first, self.last = first, last
+        self.first, self.last, self.loss = first, last, loss
         self.layers = layers                    # the blocks' indices in the whole model
         if first:
             self.wte, self.wpe = model.wte, model.wpe
@@ -76,16 +76,24 @@ class GPTStage(nn.Module):
             x = block(x)
         if not self.last:
             return x
+        logits = self.lm_head(self.ln_f(x))                                           # (mb, T, vocab)
+        if not self.loss:            # torch.distributed.pipelining computes the loss itself (loss_fn)
+            return logits
         if targets is None:
             raise ValueError("the last stage computes the loss: call it as stage(hidden, targets)")
-        logits = self.lm_head(self.ln_f(x))                                           # (mb, T, vocab)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def gpt_stages(model: GPT, n_stages: int) -> list[GPTStage]:
-    """The GPT cut into n_stages consecutive stages (they share the model's parameters, except the tied head)."""
+def gpt_stages(model: GPT, n_stages: int, loss: bool = True) -> list[GPTStage]:
+    """The GPT cut into n_stages consecutive stages (they share the model's parameters, except the tied head).
+    loss=False: the last stage returns the logits (for a schedule that takes a loss_fn)."""
     split = layer_split(model.config.n_layer, n_stages)
-    return [GPTStage(model, layers, s == 0, s == n_stages - 1) for s, layers in enumerate(split)]
+    return [GPTStage(model, layers, s == 0, s == n_stages - 1, loss) for s, layers in enumerate(split)]
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss from logits (mb, T, vocab) and targets (mb, T): the loss_fn of a torch schedule."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def stage_gradients(stage: GPTStage) -> dict[str, torch.Tensor]:

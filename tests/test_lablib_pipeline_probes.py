@@ -157,3 +157,19 @@ def test_real_ranks_pass_and_a_blocking_send_deadlocks_with_a_message(tmp_path, 
     assert "rank 1 waited in send (send to rank 0" in r.deadlock
     with pytest.raises(checks.CheckFailed, match="deadlock"):
         pipeline_probes.check_engine(r)
+
+
+def test_torch_pipelining_runs_the_same_stages(tmp_path, monkeypatch):
+    """The comparison run: torch's schedules on gpt_stages give one process's losses; GPipe holds more."""
+    from lablib.runs import pipeline_torch
+
+    with pytest.raises(ValueError, match="unknown"):
+        pipeline_torch.Config(schedules=("zb",)).validate()
+    monkeypatch.chdir(tmp_path)
+    run = launch.run("pipeline_torch", {"schedules": ("gpipe", "1f1b", "interleaved_1f1b"), "steps": 1,
+                                        "n_microbatches": 4, "n_embd": 16, "block_size": 8}, nproc=2, timeout_s=180,
+                     quiet=True)
+    m = run.metrics
+    for s in m.schedules.values():
+        assert s.losses == pytest.approx(m.reference_losses, rel=1e-4)
+    assert m.schedules["gpipe"].peak_activation_bytes[0] > m.schedules["1f1b"].peak_activation_bytes[0]

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from lablib import script
 from lablib.exercise import require_file
 from lablib.models import GPTConfig
-from lablib.pipeline_probes import SMALL, load_engine, measured_idle_fraction, parse_case, probe_engine
+from lablib.pipeline_probes import (SMALL, busy_and_step, load_engine, measured_idle_fraction, parse_case,
+                                    probe_engine)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ def run(env, config: Config) -> dict:
         result = steps[-1]
         if env.is_main and result["ok"] and len(steps) > 1:   # the step of median idle time, the first one left out
             timed = sorted(steps[1:], key=measured_idle_fraction)
-            result = dict(timed[len(timed) // 2], idle_fractions=[measured_idle_fraction(s) for s in steps[1:]])
+            result = dict(timed[len(timed) // 2], idle_fractions=[measured_idle_fraction(s) for s in steps[1:]],
+                          step_s=[busy_and_step(s)[1] for s in steps[1:]])
         results[case] = result
         script.progress(env, i + 1, len(config.cases))
         if not result["ok"]:                   # every rank read every stage's record: all stop here together
