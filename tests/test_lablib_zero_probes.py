@@ -83,3 +83,26 @@ def test_run_configs_refuse_bad_options(tmp_path):
         cfg.from_options(zero_scratch.Config, {"impl": str(impl), "runs": ("mlp",)})
     with pytest.raises(ValueError, match="unknown"):
         cfg.from_options(zero_stages.Config, {"variants": ("zero4",)})
+
+
+def test_rehearsal_sums_in_rank_order_and_names_a_collective_only_some_ranks_call():
+    import torch.distributed as dist
+
+    from lablib.zero_rehearsal import RehearsalDeadlock, run_in_thread_ranks
+
+    def gathered(rank):
+        out = torch.empty(4)
+        dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
+        shard = torch.empty(2)
+        dist.reduce_scatter_tensor(shard, torch.arange(4.0))
+        return dist.get_world_size(), out.tolist(), shard.tolist()
+
+    assert run_in_thread_ranks(2, gathered) == [(2, [0, 0, 1, 1], [0, 2]), (2, [0, 0, 1, 1], [4, 6])]
+
+    def owner_only(rank):
+        if rank == 0:
+            dist.broadcast(torch.zeros(3), src=0)
+
+    with pytest.raises(RehearsalDeadlock, match="broadcast"):
+        run_in_thread_ranks(2, owner_only, timeout_s=1.0)
+    assert not dist.is_initialized()     # torch.distributed's own functions are back
