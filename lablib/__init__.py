@@ -22,6 +22,9 @@ Read it like a table of contents:
 - ``lablib.training``  lab 05's one training loop for a single process, DDP, accumulation and FSDP2
 - ``lablib.probes``    reading what lab 05's exercise code does on the ranks, for its graded checks
 - ``lablib.ddp_probes`` lab 06's probe of the students' DDP classes on the ranks, and its graded checks
+- ``lablib.tp_probes`` lab 08's probe of the students' tensor-parallel f and g, MLP and attention, and its checks
+- ``lablib.tensor_parallel``  tensor parallelism applied to the course GPT from outside: the students' classes,
+                       DTensor's ``parallelize_module`` (vocabulary, sequence parallel) and a 2-D mesh with FSDP2
 - ``lablib.benchmark`` ``StepMeter``: one way to measure every variant's step (time, memory, collectives) from
                        the modules above (lab 05)
 - ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)
