@@ -25,6 +25,10 @@ Read it like a table of contents:
 - ``lablib.tp_probes`` lab 08's probe of the students' tensor-parallel f and g, MLP and attention, and its checks
 - ``lablib.tensor_parallel``  tensor parallelism applied to the course GPT from outside: the students' classes,
                        DTensor's ``parallelize_module`` (vocabulary, sequence parallel) and a 2-D mesh with FSDP2
+- ``lablib.pipeline``  pipeline parallelism applied to the course GPT from outside: its stages, and GPipe,
+                       1F1B and interleaved schedules played tick by tick (lab 09's reference schedules)
+- ``lablib.pipeline_probes`` lab 09's probe of the students' pipeline engine on the ranks (order, timeline,
+                       saved bytes, who waited on whom in a deadlock), and its graded checks
 - ``lablib.benchmark`` ``StepMeter``: one way to measure every variant's step (time, memory, collectives) from
                        the modules above (lab 05)
 - ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)
