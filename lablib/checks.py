@@ -5,6 +5,7 @@ answers to the exercises are not here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -48,6 +49,40 @@ def check_true(condition: bool, what: str, hint: str = "") -> None:
 def check_finite_number(value, what: str, hint: str = "") -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         _fail(what, "a finite number", repr(value), hint)
+
+
+# --- a reference the answer may not call -----------------------------------------------------------------------
+
+_REFUSAL = ""
+
+
+def _refused(*args, **kwargs):
+    # Runs as the code of a guarded function, with that function's module globals: it names nothing but
+    # builtins, and finds the reason in this module.
+    import lablib.checks as checks_module
+    raise checks_module.CheckFailed(checks_module._REFUSAL)
+
+
+@contextlib.contextmanager
+def answer_without(*functions, reason: str):
+    """Inside the block, each of ``functions`` (lablib's references, e.g. a simulated schedule) raises
+    ``CheckFailed(reason)`` instead of running: a graded answer that only calls the reference it is graded
+    against fails. The function objects themselves are changed (their code), so a name bound by ``from lablib.x
+    import f`` before the block is caught too. Call the student's code inside, the references outside.
+    """
+    global _REFUSAL
+    for f in functions:
+        if f.__code__.co_freevars:
+            raise TypeError(f"answer_without cannot guard {f.__qualname__}: it is a closure")
+    saved = [(f, f.__code__, f.__defaults__, f.__kwdefaults__) for f in functions]
+    _REFUSAL = reason
+    try:
+        for f, *_ in saved:
+            f.__code__, f.__defaults__, f.__kwdefaults__ = _refused.__code__, None, None
+        yield
+    finally:
+        for f, code, defaults, kwdefaults in saved:
+            f.__code__, f.__defaults__, f.__kwdefaults__ = code, defaults, kwdefaults
 
 
 # --- an unwritten exercise, as the student sees it in JupyterLab ---------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from lablib import checks
@@ -35,3 +36,16 @@ def test_any_other_not_implemented_error_keeps_its_traceback():
     assert result.error_in_exec is not None and "gloo cannot do this" in shown and "Traceback" in shown
     result, shown = _run(shell, "import torch\ntorch.autograd.Function.forward(None)")   # a library's own stub
     assert result.error_in_exec is not None and "is not written yet" not in shown
+
+
+def test_a_guarded_reference_refuses_inside_the_block_and_works_after():
+    from lablib import commcost
+    from lablib.commcost import alpha_beta_time as bound_before   # the way a student's module could import it
+
+    before = commcost.alpha_beta_time(1e-5, 1e-9, 1e6)
+    with checks.answer_without(commcost.alpha_beta_time, reason="write the formula yourself"):
+        with pytest.raises(checks.CheckFailed, match="write the formula yourself"):
+            bound_before(1e-5, 1e-9, 1e6)
+        with pytest.raises(checks.CheckFailed):
+            commcost.alpha_beta_time(alpha_s=1e-5, beta_s_per_byte=1e-9, n_bytes=1e6)
+    assert commcost.alpha_beta_time(1e-5, 1e-9, 1e6) == before == bound_before(1e-5, 1e-9, 1e6)
