@@ -72,6 +72,8 @@ def reference_g(x: torch.Tensor, group) -> torch.Tensor:
 
 
 REFERENCE_F_G = types.SimpleNamespace(f=reference_f, g=reference_g)
+REFERENCE_ONLY = ("exercise 1 is f and g written as autograd functions; lablib.tp_probes' reference_f and "
+                  "reference_g are what they are checked against, not an answer")
 
 
 def load_impl(path: str, required: tuple[str, ...], reference_comm: bool):
@@ -241,7 +243,7 @@ def probe_f_g(impl, tp: int, group, rank: int) -> dict:
         for name, fn, want_y, want_grad in (("f", impl.f, xs[rank], w_sum), ("g", impl.g, x_sum, ws[rank])):
             x = xs[rank].clone().requires_grad_()
             before = x.detach().clone()
-            with counting.count_collectives(log):
+            with counting.count_collectives(log), checks.answer_without(reference_f, reference_g, reason=REFERENCE_ONLY):
                 log.reset()
                 y = fn(x, group)
                 forward = log.counts()

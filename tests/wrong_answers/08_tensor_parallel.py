@@ -23,6 +23,11 @@ WRONG_ANSWERS = {
                        "        dist.all_reduce(grad_output, group=ctx.group)\n"
                        "        return grad_output, None                   # d(sum_r x_r)/dx_r = 1"),
             ("        total = x.contiguous().clone()", "        ctx.group = group\n        total = x.contiguous().clone()"))),
+        ("f and g taken from lablib's reference pair instead of written (the pre-check refuses it in process)", _changed(
+            "tp_f_g", ("def f(x, group):\n    return CopyToTensorParallel.apply(x, group)",
+                       "from lablib.tp_probes import reference_f as f  # noqa: E402"),
+            ("def g(x, group):\n    return ReduceFromTensorParallel.apply(x, group)",
+             "from lablib.tp_probes import reference_g as g  # noqa: E402"))),
     ],
     "tp_mlp": [
         ("the row-parallel bias added on every rank, before the all-reduce", _changed(
