@@ -184,15 +184,20 @@ def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int 
                 F.mse_loss(model(x), y).backward()
                 ref_opt.zero_grad()
                 F.mse_loss(reference(x), y).backward()
-                with torch.no_grad():
-                    for p, q in zip(model.parameters(), reference.parameters()):
-                        if exercise == "zero1":      # every rank the same gradient: rank 0's
-                            if world_size > 1:
-                                dist.broadcast(p.grad, src=0)
-                            q.grad.copy_(p.grad)
-                        elif world_size > 1:         # the reference: AdamW on the mean over ranks
-                            dist.all_reduce(q.grad)
-                            q.grad.div_(world_size)
+                with torch.no_grad():                # one flat collective for all the gradients: (numel,)
+                    if exercise == "zero1":          # every rank the same gradient: rank 0's
+                        flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+                        if world_size > 1:
+                            dist.broadcast(flat, src=0)
+                        targets = [*model.parameters(), *reference.parameters()]
+                    else:                            # the reference: AdamW on the mean over ranks
+                        flat = torch.cat([q.grad.flatten() for q in reference.parameters()])
+                        if world_size > 1:
+                            dist.all_reduce(flat)
+                            flat.div_(world_size)
+                        targets = list(reference.parameters())
+                    for p, g in zip(targets, [*flat.split([t.numel() for t in model.parameters()])] * 2):
+                        p.grad.copy_(g.view_as(p.grad))
                 student.step()
                 ref_opt.step()
                 grads_kept.append(sum(p.grad is not None for p in model.parameters()))
