@@ -13,12 +13,13 @@ ready ones by a *rule*, not from a list:
 
 - ``gpipe`` (Huang et al., 2019): forwards first, backwards only once this rank has run every forward;
 - ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021; Megatron-LM's non-interleaved schedule): a backward
-  whenever one is ready; a forward only while fewer micro-batches are in flight on this rank than it may
-  hold (p - rank for one chunk per rank; Megatron's interleaved warm-up plus one for v chunks).
+  whenever one is ready; a forward only while this rank holds fewer than p - rank micro-batches.
 
 The order each rank ends up with is the course's reference schedule (exercise 1 is graded against it), and
 the simulated idle time is the reference bubble (exercise 3). With ``chunks`` (interleaving v) rank r holds
-virtual stages r, r + p, ..., each 1/v of its layers (Narayanan et al., 2021, section 2.2).
+virtual stages r, r + p, ..., each 1/v of its layers (Narayanan et al., 2021, section 2.2), and runs them in
+Megatron-LM's interleaved order (``interleaved_order``), each operation as soon as its inputs exist; the
+simulated bubble is then (p - 1) / (v m + p - 1), as the paper derives (the tests check it).
 """
 
 from __future__ import annotations
