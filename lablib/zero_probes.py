@@ -20,6 +20,7 @@ whatever it is named.
 from __future__ import annotations
 
 import threading
+import traceback
 import types
 import warnings
 from dataclasses import dataclass
@@ -218,7 +219,9 @@ def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int 
         out["weight_spread_across_ranks"] = max(spreads)
         out["full_grads_kept_after_step"] = max(grads_kept)
     except Exception as exc:  # noqa: BLE001 - a wrong answer is a result to report, not a crash of the run
-        out["error"] = f"{type(exc).__name__}: {exc}"
+        mine = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith("_impl.py")]
+        where = f" (at {mine[-1].filename.rsplit('/', 1)[-1]} line {mine[-1].lineno}: {mine[-1].line})" if mine else ""
+        out["error"] = f"{type(exc).__name__}: {exc}{where}"
     return out
 
 
@@ -253,7 +256,8 @@ def check_probe(r: dict, exercise: str) -> None:
     r = r.to_dict() if hasattr(r, "to_dict") else r      # a launch.RunResult: plain lists and dicts to compare
     where = f"{CLASSES[exercise]} on {r['world_size']} rank(s), case '{r['case']}'"
     checks.check_true(r["error"] is None, f"{where}: raised {r['error']}",
-                      hint="the traceback of the same error shows when you run your class in this process")
+                      hint="NotImplementedError: the exercise cell is still the stub (write it and run it); any other "
+                           "error names the line of your file it came from")
     n = r["world_size"]
     held = r["held_per_rank"]
     if exercise == "zero1":

@@ -13,7 +13,7 @@ Every variant trains the same AdamW steps from the same weights on the same batc
 counts what it holds after the forward, the backward and the step (storages, each once: ``memory.model_state_bytes``
 for PyTorch's variants, ``zero_probes.held_bytes`` for the students', which also finds state kept under any
 name) and records every collective it calls (``lablib.counting``; DDP's bucket all-reduces through its
-communication hook). Each step is timed (``lablib.timing``), and the two ZeRO-1s (yours and PyTorch's) are
+communication hook); one more step is sampled at every module boundary (``HeldTimeline``). Each step is timed (``lablib.timing``), and the two ZeRO-1s (yours and PyTorch's) are
 timed again taking turns (``paired_step_times``); rank 0 writes losses, bytes, collectives and times.
 """
 
@@ -44,6 +44,7 @@ class Config:
     steps: int = 4                      # AdamW steps per variant; bytes and collectives from the last one
     warmup: int = 1                     # steps left out of the step time
     rounds: int = 4                     # paired timing of the two ZeRO-1s: rounds of turns, 3 steps each
+    timeline: bool = True               # one more step per variant, memory sampled at every module boundary
 
     def validate(self) -> None:
         unknown = [v for v in self.variants if v not in VARIANTS]
@@ -96,6 +97,24 @@ class _Stepper:
         return memory.model_state_bytes(held_params(self.model, self.sharded), self.opt)
 
 
+class HeldTimeline(memory.MemoryTimeline):
+    """``memory.MemoryTimeline`` (samples at every module's forward and backward boundary) with the stepper's own
+    count of the model states: ``zero_probes.held_bytes`` for the students' classes (state kept under any name,
+    a shard's gradient included), ``memory.model_state_bytes`` for PyTorch's. The optimizer step is sampled by
+    the caller (the students' ZeRO2 is no ``torch.optim.Optimizer``, so it has no step hooks)."""
+
+    def __init__(self, stepper: "_Stepper"):
+        super().__init__(stepper.wrapped, None)
+        self.stepper = stepper
+
+    def sample(self, event: str, phase: str) -> None:
+        row = {"event": event, "phase": phase,
+               **{k: v for k, v in self.stepper.held().items() if k != "total"},
+               "activations": memory.unique_storage_bytes(self.saved.alive())}
+        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
+        self.samples.append(row)
+
+
 def one_step(s: "_Stepper", env, x, y) -> torch.Tensor:
     s.opt.zero_grad()
     _, loss = s.wrapped(x.to(env.device), y.to(env.device))
@@ -129,6 +148,7 @@ def paired_step_times(env, config: Config, steps) -> dict:
 def train_variant(env, config: Config, variant: str, steps) -> dict:
     s = _Stepper(env, config, variant)
     losses, held, times = [], {}, []
+    timeline = None
     for i, (x, y) in enumerate(steps):
         last = i == len(steps) - 1
         s.log.reset()
@@ -147,6 +167,14 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
             s.opt.step()
         if last:
             held["after_step"] = s.held()
+    if config.timeline:                          # one more step, untimed, sampled at every module boundary
+        x, y = steps[-1]
+        s.opt.zero_grad()
+        with HeldTimeline(s) as timeline:
+            s.wrapped(x.to(env.device), y.to(env.device))[1].backward()
+            timeline.sample("optimizer.step", "optimizer")
+            s.opt.step()
+            timeline.sample("optimizer.step done", "optimizer")
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)            # equal shares: the mean of the ranks' means
         losses.append(global_loss.item() / env.world_size)
@@ -158,6 +186,7 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
         entry["bus_bytes"] += c.bus_bytes
     held["peak_phase"] = max(PHASES, key=lambda p: held[p]["total"])
     return {"losses": losses, "memory": held, "collectives": calls,
+            "timeline": timeline.samples if timeline is not None and env.is_main else None,   # rank 0's
             **timing.step_times(times, env.device, warmup=config.warmup)}
 
 
