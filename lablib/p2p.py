@@ -182,6 +182,7 @@ class ThreadWorld:
         self._pending: dict[tuple[str, int, int], deque] = defaultdict(deque)   # (kind, src, dst) -> transfers
         self._waiting: dict[int, _Transfer] = {}
         self._finished: set[int] = set()
+        self._deadlock: str | None = None
 
     def comm(self, rank: int) -> "ThreadComm":
         return ThreadComm(self, rank)
@@ -222,8 +223,10 @@ class ThreadWorld:
                     # stuck: every rank either finished or waits on a transfer nobody has matched
                     blocked = sum(not t.matched for t in self._waiting.values())
                     stuck = blocked + len(self._finished) == self.world_size
-                    if stuck or time.monotonic() > deadline:
-                        raise DeadlockError(self._describe(transfer.rank, stuck))
+                    if self._deadlock is None and (stuck or time.monotonic() > deadline):
+                        self._deadlock = self._describe(transfer.rank, stuck)   # as first seen, for every rank
+                    if self._deadlock is not None:
+                        raise DeadlockError(self._deadlock)
                     self._cond.wait(0.05)
             finally:
                 del self._waiting[transfer.rank]
