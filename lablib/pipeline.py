@@ -242,6 +242,13 @@ def peak_held(rank_ops) -> int:
     return peak
 
 
+# The simulation is the reference exercises 1 and 3 are graded against, not an answer: the checks call the
+# students' functions with these refusing (lablib.checks.answer_without).
+REFERENCES = (simulate, schedule, idle_fraction, peak_held, in_flight_limit, interleaved_order)
+REFERENCE_ONLY = ("lablib.pipeline's simulation is what this exercise is checked against, not an answer: "
+                  "build the schedule (or the formula) yourself")
+
+
 def draw(ax, per_rank, unit: float = 1.0, label_ops: bool = True) -> None:
     """A Gantt chart: one row per rank (rank 0 on top), forwards blue, backwards orange, each labelled with its
     micro-batch. per_rank: one list per rank of ``Op`` or [kind, micro-batch, start, end]; times x unit."""

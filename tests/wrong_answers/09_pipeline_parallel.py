@@ -6,29 +6,10 @@ there, so a change to the solution cannot silently turn a wrong answer into the 
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-import nbformat
+from wrong_answers import SolutionCells
 
 LAB = "09_pipeline_parallel"
-_NB = nbformat.read(Path(__file__).resolve().parents[2] / "solutions" / LAB / f"{LAB}.ipynb", as_version=4)
-_MARKERS = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[ \t]*(\n|$)", re.MULTILINE)
-
-
-def _solution(grade_id: str) -> str:
-    for cell in _NB.cells:
-        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id:
-            return _MARKERS.sub("", cell.source)
-    raise KeyError(grade_id)
-
-
-def _changed(grade_id: str, *replacements: tuple[str, str]) -> str:
-    source = _solution(grade_id)
-    for old, new in replacements:
-        assert old in source, f"{grade_id}: the solution no longer contains {old!r}"
-        source = source.replace(old, new)
-    return source
+_changed = SolutionCells(LAB).changed
 
 
 # Exercise 2's wrong answers that pass the one-stage pre-check cost a torchrun start each (and a deadlock the
@@ -46,6 +27,17 @@ WRONG_ANSWERS = {
             "schedules", ("warmup = min(n_stages - rank - 1, n_microbatches)", "warmup = n_stages - rank - 1"))),
         ("no error for zero micro-batches (returns empty schedules)", _changed(
             "schedules", ("    if n_stages < 1 or n_microbatches < 1:\n", "    if n_stages < 1:\n"))),
+        ("returns lablib's reference simulation instead of building the schedule", '''
+from lablib import pipeline as _pipeline
+
+
+def gpipe_schedule(n_stages, n_microbatches):
+    return _pipeline.schedule("gpipe", n_stages, n_microbatches)
+
+
+def one_f_one_b_schedule(n_stages, n_microbatches):
+    return _pipeline.schedule("1f1b", n_stages, n_microbatches)
+'''),
     ],
     "pipeline_engine": [
         ("blocking dist.send: 1F1B's steady state deadlocks", _changed(
@@ -64,6 +56,17 @@ WRONG_ANSWERS = {
                                 "        return 1"))),
         ("1F1B with the warm-up count off by one (p - s - 1 held)", _changed(
             "bubble_formulas", ("return min(n_stages - stage, n_microbatches)", "return min(n_stages - stage - 1, n_microbatches)"))),
+        ("reads the bubble and the peak off lablib's simulation instead of a formula", '''
+from lablib.pipeline import idle_fraction, peak_held, simulate
+
+
+def bubble_fraction(n_stages, n_microbatches):
+    return idle_fraction(simulate("gpipe", n_stages, n_microbatches))
+
+
+def peak_in_flight(schedule, n_stages, n_microbatches, stage):
+    return peak_held(simulate(schedule, n_stages, n_microbatches)[stage])
+'''),
         ("1F1B holds p on every stage", _changed(
             "bubble_formulas", ("return min(n_stages - stage, n_microbatches)", "return min(n_stages, n_microbatches)"))),
     ],
