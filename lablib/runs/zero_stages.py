@@ -13,8 +13,9 @@ Every variant trains the same AdamW steps from the same weights on the same batc
 counts what it holds after the forward, the backward and the step (storages, each once: ``memory.model_state_bytes``
 for PyTorch's variants, ``zero_probes.held_bytes`` for the students', which also finds state kept under any
 name) and records every collective it calls (``lablib.counting``; DDP's bucket all-reduces through its
-communication hook); one more step is sampled at every module boundary (``HeldTimeline``). Each step is timed (``lablib.timing``), and the two ZeRO-1s (yours and PyTorch's) are
-timed again taking turns (``paired_step_times``); rank 0 writes losses, bytes, collectives and times.
+communication hook); one more step is sampled at every module boundary (``HeldTimeline``). Each step is timed
+(``lablib.timing``), and the two ZeRO-1s (yours and PyTorch's) are timed again taking turns
+(``paired_step_times``); rank 0 writes losses, bytes, collectives, the timelines and times.
 """
 
 from __future__ import annotations
@@ -167,14 +168,6 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
             s.opt.step()
         if last:
             held["after_step"] = s.held()
-    if config.timeline:                          # one more step, untimed, sampled at every module boundary
-        x, y = steps[-1]
-        s.opt.zero_grad()
-        with HeldTimeline(s) as timeline:
-            s.wrapped(x.to(env.device), y.to(env.device))[1].backward()
-            timeline.sample("optimizer.step", "optimizer")
-            s.opt.step()
-            timeline.sample("optimizer.step done", "optimizer")
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)            # equal shares: the mean of the ranks' means
         losses.append(global_loss.item() / env.world_size)
@@ -185,6 +178,14 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
         entry["bytes"] += c.bytes
         entry["bus_bytes"] += c.bus_bytes
     held["peak_phase"] = max(PHASES, key=lambda p: held[p]["total"])
+    if config.timeline:        # one more step, after the counts above: untimed, sampled at every module boundary
+        x, y = steps[-1]
+        s.opt.zero_grad()
+        with HeldTimeline(s) as timeline:
+            s.wrapped(x.to(env.device), y.to(env.device))[1].backward()
+            timeline.sample("optimizer.step", "optimizer")
+            s.opt.step()
+            timeline.sample("optimizer.step done", "optimizer")
     return {"losses": losses, "memory": held, "collectives": calls,
             "timeline": timeline.samples if timeline is not None and env.is_main else None,   # rank 0's
             **timing.step_times(times, env.device, warmup=config.warmup)}
