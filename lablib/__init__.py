@@ -22,6 +22,10 @@ Read it like a table of contents:
 - ``lablib.training``  lab 05's one training loop for a single process, DDP, accumulation and FSDP2
 - ``lablib.probes``    reading what lab 05's exercise code does on the ranks, for its graded checks
 - ``lablib.ddp_probes`` lab 06's probe of the students' DDP classes on the ranks, and its graded checks
+- ``lablib.zero_probes`` lab 07's probe of the students' ZeRO-1 and ZeRO-2 classes (bit-exact vs AdamW, the state
+                       and gradient bytes each rank holds), and its graded checks
+- ``lablib.rehearsal`` ranks as threads of this process: an exercise rehearsed in a second before a torchrun start
+                       (collectives for lab 07, point-to-point for lab 02), a deadlock named at once
 - ``lablib.tp_probes`` lab 08's probe of the students' tensor-parallel f and g, MLP and attention, and its checks
 - ``lablib.tensor_parallel``  tensor parallelism applied to the course GPT from outside: the students' classes,
                        DTensor's ``parallelize_module`` (vocabulary, sequence parallel) and a 2-D mesh with FSDP2

@@ -227,10 +227,10 @@ def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int 
 
 def rehearse(impl, exercise: str, runs) -> list[dict]:
     """probe_case for each "world size:case" of runs on ranks that are threads of this process
-    (``lablib.zero_rehearsal``): seconds, before the real torchrun run of the same cases. Per run, rank 0's
+    (``lablib.rehearsal``): seconds, before the real torchrun run of the same cases. Per run, rank 0's
     result, or the first rank's whose error is not only the wait for a rank that failed. Nothing (and a line
     that says so) when the class calls a collective the rehearsal does not emulate."""
-    from lablib.zero_rehearsal import RehearsalUnsupported, run_in_thread_ranks
+    from lablib.rehearsal import RehearsalUnsupported, run_in_thread_ranks
 
     out = []
     for n, case in (r.split(":") for r in runs):

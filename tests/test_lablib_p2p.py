@@ -111,7 +111,8 @@ def test_unknown_dtype_rejected_before_start():
 
 # --- the rehearsal in threads ----------------------------------------------------------------------------
 
-from lablib.p2p import DeadlockError, RehearsalError, rehearse_ring, run_in_threads  # noqa: E402
+from lablib.p2p import rehearse_ring  # noqa: E402
+from lablib.rehearsal import RehearsalDeadlock as DeadlockError, RehearsalError, run_in_threads  # noqa: E402
 from lablib.runs.ring_allreduce import naive_all_reduce  # noqa: E402
 
 

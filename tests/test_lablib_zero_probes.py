@@ -88,7 +88,7 @@ def test_run_configs_refuse_bad_options(tmp_path):
 def test_rehearsal_sums_in_rank_order_and_names_a_collective_only_some_ranks_call():
     import torch.distributed as dist
 
-    from lablib.zero_rehearsal import RehearsalDeadlock, run_in_thread_ranks
+    from lablib.rehearsal import RehearsalDeadlock, run_in_thread_ranks
 
     def gathered(rank):
         out = torch.empty(4)
