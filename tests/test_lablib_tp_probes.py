@@ -24,15 +24,28 @@ def one_rank():
         yield env
 
 
+def copy_of(function):
+    """The same code as a new function object: what a student who copied lablib's reference would run."""
+    return types.FunctionType(function.__code__, function.__globals__, function.__name__)
+
+
 def test_reference_f_and_g_communicate_in_one_direction_each(one_rank):
-    record = tp_probes.probe_f_g(tp_probes.REFERENCE_F_G, 1, dist.group.WORLD, 0)
+    pair = types.SimpleNamespace(f=copy_of(tp_probes.reference_f), g=copy_of(tp_probes.reference_g))
+    record = tp_probes.probe_f_g(pair, 1, dist.group.WORLD, 0)
     tp_probes.check_f_g(record)
     assert record["f"]["forward"] == {} and record["f"]["backward"] == {"all_reduce": 1}
     assert record["g"]["forward"] == {"all_reduce": 1} and record["g"]["backward"] == {}
 
 
+def test_the_reference_pair_itself_is_refused_as_an_answer(one_rank):
+    with pytest.raises(CheckFailed, match="not an answer"):
+        tp_probes.check_f_g(tp_probes.probe_f_g(tp_probes.REFERENCE_F_G, 1, dist.group.WORLD, 0))
+    x = torch.ones(2, requires_grad=True)
+    assert torch.equal(tp_probes.reference_f(x, dist.group.WORLD), x)     # and works again after the probe
+
+
 def test_swapped_f_and_g_fail_the_check(one_rank):
-    swapped = types.SimpleNamespace(f=tp_probes.reference_g, g=tp_probes.reference_f)
+    swapped = types.SimpleNamespace(f=copy_of(tp_probes.reference_g), g=copy_of(tp_probes.reference_f))
     with pytest.raises(CheckFailed, match="all-reduces"):
         tp_probes.check_f_g(tp_probes.probe_f_g(swapped, 1, dist.group.WORLD, 0))
 
