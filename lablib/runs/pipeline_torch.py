@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from lablib import pipeline, script, timing
