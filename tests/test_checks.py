@@ -49,3 +49,20 @@ def test_a_guarded_reference_refuses_inside_the_block_and_works_after():
         with pytest.raises(checks.CheckFailed):
             commcost.alpha_beta_time(alpha_s=1e-5, beta_s_per_byte=1e-9, n_bytes=1e6)
     assert commcost.alpha_beta_time(1e-5, 1e-9, 1e6) == before == bound_before(1e-5, 1e-9, 1e6)
+
+
+def test_warnings_go_to_stdout_only_while_autograding(capsys):
+    import warnings
+
+    saved = warnings.showwarning
+    try:
+        assert not checks.warnings_on_stdout_while_autograding({})
+        assert checks.warnings_on_stdout_while_autograding({"NBGRADER_EXECUTION": "autograde"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = checks._warning_to_stdout     # catch_warnings restores the hook on exit
+            warnings.warn("reduce_scatter_tensor is deprecated", FutureWarning)
+        out, err = capsys.readouterr()
+        assert "FutureWarning: reduce_scatter_tensor is deprecated" in out and err == ""
+    finally:
+        warnings.showwarning = saved
