@@ -212,21 +212,27 @@ def _check_launcher_options(nproc, timeout_s) -> None:
 
 def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s: float = 300.0,
         threads_per_rank: int | None = None, port: int | None = None, quiet: bool = False,
-        show_progress: bool = True, env: Mapping | None = None, **unexpected) -> RunResult:
+        show_progress: bool = True, env: Mapping | None = None, max_restarts: int = 0,
+        **unexpected) -> RunResult:
     """Run ``lablib.runs.<step>`` on nproc ranks under torchrun and return rank 0's JSON result.
 
     options: the step's own options (a mapping checked against its Config; tuples for sequences).
     env: extra environment variables for every rank (e.g. ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``).
+    max_restarts: how often torchrun restarts the whole worker group after a rank fails (``--max-restarts``);
+    each attempt's ranks see ``TORCHELASTIC_RESTART_COUNT`` (0, 1, ...) and get a fresh rendezvous namespace
+    (``lablib.distenv.attempt_store``). ``timeout_s`` covers all attempts together.
     The ranks' collectives time out a little before ``timeout_s`` (one clock for both).
     """
     if unexpected:
         raise TypeError(f"launch.run got unknown keyword(s) {sorted(unexpected)}: a step's options go in one "
                         f"mapping, e.g. launch.run({step!r}, {{{', '.join(f'{k!r}: ...' for k in unexpected)}}}, "
                         f"nproc={nproc!r}); the keywords are the launcher's own (nproc, timeout_s, "
-                        f"threads_per_rank, port, quiet, show_progress, env)")
+                        f"threads_per_rank, port, quiet, show_progress, env, max_restarts)")
     if options is not None and not isinstance(options, Mapping):
         raise TypeError(f"options must be a mapping of the step's options (a dict), got {type(options).__name__}")
     _check_launcher_options(nproc, timeout_s)
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a whole number of restarts, 0 or more, got {max_restarts!r}")
     module = load_step(step)
     config = cfg.from_options(module.Config, dict(options or {}))
     if hasattr(config, "validate_world"):
@@ -244,7 +250,8 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
                   ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                    f"--rdzv-id={run_id}"])
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "-m", f"lablib.runs.{step}", "--out", str(out), *cfg.to_argv(config)]
+           f"--max-restarts={max_restarts}", "-m", f"lablib.runs.{step}", "--out", str(out),
+           *cfg.to_argv(config)]
     rank_env = _rank_environment(run_id, run_dir, timeout_s, threads, env)
 
     lines: queue.Queue = queue.Queue()

@@ -38,7 +38,8 @@ def wait_until_gone(step="hello", timeout_s=10.0):
 def test_success_streams_rank0_and_returns_json(capsys):
     result = launch.run("hello", nproc=2, timeout_s=120)
     assert result["metrics"]["all_reduce_sum"] == 3
-    assert result["config"] == {"fail_rank": -1, "hang_rank": -1, "hang_s": 3600.0, "abort_rank": -1}
+    assert result["config"] == {"fail_rank": -1, "hang_rank": -1, "hang_s": 3600.0, "abort_rank": -1,
+                                "fail_attempts": 0}
     # The ranks' collectives time out a little before the run does: one clock, derived from timeout_s.
     assert result["metrics"]["rank_timeout_s"] == pytest.approx(0.9 * 120)
     out = capsys.readouterr().out
@@ -63,6 +64,19 @@ def test_rank_killed_by_a_signal_is_reported_as_such():
         launch.run("hello", {"abort_rank": 1}, nproc=2, timeout_s=120, quiet=True)
     assert info.value.rank == 1 and info.value.signal == "SIGABRT"
     assert "not by an exception" in str(info.value) and "infrastructure" in str(info.value)
+    assert not wait_until_gone()
+
+
+def test_max_restarts_restarts_the_group_after_a_failed_attempt():
+    """launch.run(max_restarts=1): rank 1 fails on attempt 0 only; torchrun restarts both ranks, attempt 1
+    initialises a fresh group (distenv.attempt_store) and finishes. Without restarts the same run fails."""
+    result = launch.run("hello", {"fail_rank": 1, "fail_attempts": 1}, nproc=2, timeout_s=150, quiet=True,
+                        max_restarts=1)
+    assert result["metrics"]["attempt"] == 1 and result["metrics"]["all_reduce_sum"] == 3.0
+    with pytest.raises(launch.RunError):
+        launch.run("hello", {"fail_rank": 1, "fail_attempts": 1}, nproc=2, timeout_s=150, quiet=True)
+    with pytest.raises(ValueError, match="max_restarts"):
+        launch.run("hello", nproc=2, max_restarts=-1)
     assert not wait_until_gone()
 
 

@@ -6,7 +6,9 @@ The fault options exist to show (and test) what the launcher does when things go
 ``fail_rank`` raises on that rank, ``hang_rank`` sleeps on that rank for ``hang_s`` seconds (the other
 ranks then wait in the all-reduce until their collective timeout, or the launcher's, stops everything),
 ``abort_rank`` kills that rank with SIGABRT after its work is done, as a C++ library abort would (the
-launcher must report a death by signal as such, never as the code's error).
+launcher must report a death by signal as such, never as the code's error). With ``fail_attempts`` > 0,
+``fail_rank`` fails only on torchrun's first ``fail_attempts`` attempts (``launch.run(..., max_restarts=)``
+then restarts the group, and the result says which attempt finished).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Config:
     hang_rank: int = -1
     hang_s: float = 3600.0
     abort_rank: int = -1
+    fail_attempts: int = 0
 
     def validate_world(self, world_size: int) -> None:
         for name in ("fail_rank", "hang_rank", "abort_rank"):
@@ -38,8 +41,10 @@ class Config:
 
 
 def run(env, config: Config) -> dict:
-    if env.rank == config.fail_rank:
-        raise RuntimeError(f"rank {env.rank} failed on purpose (fail_rank={config.fail_rank})")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if env.rank == config.fail_rank and (config.fail_attempts == 0 or attempt < config.fail_attempts):
+        raise RuntimeError(f"rank {env.rank} failed on purpose (fail_rank={config.fail_rank}) "
+                           f"on attempt {attempt}")
     if env.rank == config.hang_rank:
         time.sleep(config.hang_s)
     # Each rank contributes rank+1; the all-reduced sum must be N(N+1)/2 on every rank.
@@ -53,7 +58,7 @@ def run(env, config: Config) -> dict:
     if env.rank == config.abort_rank:
         os.abort()
     return {"all_reduce_sum": value.item(), "expected_sum": env.world_size * (env.world_size + 1) / 2,
-            "rank_timeout_s": processes.rank_timeout_from_env(), "ranks": gathered}
+            "rank_timeout_s": processes.rank_timeout_from_env(), "attempt": attempt, "ranks": gathered}
 
 
 def main() -> None:
