@@ -33,6 +33,7 @@ Read it like a table of contents:
                        1F1B and interleaved schedules played tick by tick (lab 09's reference schedules)
 - ``lablib.pipeline_probes`` lab 09's probe of the students' pipeline engine on the ranks (order, timeline,
                        saved bytes, who waited on whom in a deadlock), and its graded checks
+- ``lablib.checkpointing`` lab 10's resumable run (global sampler, per-rank RNG, faults), ``lablib.ft_probes`` its checks
 - ``lablib.benchmark`` ``StepMeter``: one way to measure every variant's step (time, memory, collectives) from
                        the modules above (lab 05)
 - ``lablib.rankcheck`` which samples each rank saw, and whether the ranks' weights agree (lab 05)

@@ -1,0 +1,166 @@
+"""Lab 10's graded checks: a killed-and-resumed run against the uninterrupted one, and the time a restart costs.
+
+- ``precheck(impl)``: the students' ``start``/``save``/``AppState`` at world size 1 inside this process (a gloo
+  group of one): the run is stopped after a step, "restarted" with freshly built parts and fresh seeds, and
+  resumed from its last checkpoint, in seconds, before any torchrun start;
+- ``check_resumed(metrics, faults)``: the graded comparison of a run's log (``lablib.runs.fault_tolerance``'s
+  metrics, or the precheck's): every step of every attempt equal to the uninterrupted run's step, bit for bit
+  (loss, learning rate, the global batch it trained on), each attempt resumed from the last checkpoint before
+  its fault, and steps 1..N all there. A failure names the first step that differs and what differs;
+- ``restart_timeline(metrics)``: per fault, where the time went (detection, new processes, start-up, building,
+  loading the checkpoint, replaying the lost steps).
+The answers (the students' ``AppState``, ``start`` and ``save``) are not here.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from lablib import checkpointing, checks
+from lablib.distenv import DistEnv
+from lablib.exercise import load_module
+
+
+def load_impl(path: str = "ft_impl.py"):
+    return load_module(path, ("AppState", "start", "save"))
+
+
+def fresh_dir(name: str) -> str:
+    """A new, empty folder for one run's checkpoints and log."""
+    return tempfile.mkdtemp(prefix=f"lab10-{name}-")
+
+
+def precheck(impl, recipe: checkpointing.Recipe | None = None, stop_after: int = 5, ckpt_every: int = 2) -> dict:
+    """The students' code at world size 1 in this process: an uninterrupted reference run, then the run with
+    checkpoints, stopped after step ``stop_after``, then a fresh start resumed from its last checkpoint. Returns
+    the log as the run script returns it (for ``check_resumed``). This process's RNG states are kept."""
+    import numpy as np
+
+    recipe = recipe or checkpointing.Recipe(parallel="fsdp2")
+    saved_rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    folder = fresh_dir("precheck")
+    faults = (f"stop:0@{stop_after}",)
+    try:
+        try:
+            checkpointing.train(impl, recipe, env, folder, ckpt_every=ckpt_every, faults=faults, reference=True,
+                                attempt=0, announce=False)
+            checks.check_true(False, f"the run was to stop after step {stop_after} and did not")
+        except checkpointing.Stopped:
+            pass
+        checkpointing.train(impl, recipe, env, folder, ckpt_every=ckpt_every, faults=faults, attempt=1, announce=False)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+        torch.set_rng_state(saved_rng[0])
+        random.setstate(saved_rng[1])
+        np.random.set_state(saved_rng[2])
+    log = checkpointing.RunLog(folder, 0).read()
+    return {"reference": [r for r in log if r["kind"] == "reference"],
+            "steps": [r for r in log if r["kind"] == "step"],
+            "attempts": [r for r in log if r["kind"] == "attempt"],
+            "faults": [{"kind": "stop", "rank": 0, "step": stop_after, "attempt": 0}], "ckpt_every": ckpt_every}
+
+
+def check_resumed(metrics, faults=None, ckpt_every: int | None = None, where: str = "") -> None:
+    """The graded checks of a killed-and-resumed run (see the module docstring)."""
+    where = where or (f"the run on {metrics['attempts'][0]['world_size']} rank(s)" if metrics["attempts"] else "the run")
+    ckpt_every = ckpt_every or metrics.get("ckpt_every", 2)
+    reference = {r["step"]: r for r in metrics["reference"]}
+    steps = sorted(reference)
+    checks.check_true(bool(steps) and steps == list(range(1, len(steps) + 1)),
+                      f"{where}: the uninterrupted reference steps are {steps}, expected 1..N")
+    faults = [checkpointing.Fault.parse(f, i) for i, f in enumerate(faults)] if faults is not None else [
+        checkpointing.Fault(f["kind"], f["rank"], f["step"], f["attempt"]) for f in metrics["faults"]]
+    attempts = metrics["attempts"]
+    checks.check_equal(len(attempts), len(faults) + 1, f"{where}: attempts (one per fault, then the one that finished)",
+                       hint="a fault that was not played, or an attempt that failed: read the output above")
+    for a in attempts[1:]:
+        fault = faults[a["attempt"] - 1]
+        last_ckpt = fault.step // ckpt_every * ckpt_every
+        checks.check_equal(a["resumed_step"], last_ckpt,
+                           f"{where}: attempt {a['attempt']} after the fault after step {fault.step}: the step start() "
+                           f"resumed at (state.step; the last checkpoint was written after step {last_ckpt})",
+                           hint="start() must load the checkpoint it is given, and load_state_dict must restore step"
+                                if a["resumed_step"] == 0 else "load_state_dict must restore the step counter")
+    records = metrics["steps"]
+    for r in sorted(records, key=lambda r: (r["step"], r["attempt"])):
+        ref = reference.get(r["step"])
+        what = f"{where}: step {r['step']} (attempt {r['attempt']})"
+        checks.check_true(ref is not None, f"{what}: the uninterrupted run has no such step (it ran {len(steps)})")
+        if r["batch"] != ref["batch"]:
+            seen = [s["step"] for s in metrics["reference"] if s["batch"] == r["batch"]]
+            checks.check_true(False, f"{what} trained on global batch {dict(r['batch'])}, the uninterrupted run on "
+                                     f"{dict(ref['batch'])}" + (f" (its step {seen[0]}'s: data seen twice)" if seen else ""),
+                              hint="the sampler's epoch and position must be saved and restored")
+        checks.check_equal(r["lr"], ref["lr"], f"{what}: learning rate",
+                           hint="the learning-rate schedule (the scheduler's state) must be saved and restored")
+        if r["loss"] != ref["loss"]:
+            checks.check_true(False, f"{what}: loss {r['loss']!r}, the uninterrupted run's {ref['loss']!r} "
+                                     f"(|diff| {abs(r['loss'] - ref['loss']):.3g}; it must be equal, bit for bit)",
+                              hint="same batch and learning rate, different result: the model or optimizer state, "
+                                   "or a random generator (dropout: torch; the windows' shifts: Python's random) was "
+                                   "not restored, or not this rank's own (DCP keeps one copy of a key every rank "
+                                   "writes; lablib.checkpointing.per_rank)")
+    final = {}
+    for r in records:
+        final[r["step"]] = r
+    checks.check_equal(sorted(final), steps, f"{where}: the steps trained (each step's last attempt)",
+                       hint="no step may be lost or trained twice on different data")
+    for a in attempts[1:]:
+        mine = [r["step"] for r in records if r["attempt"] == a["attempt"]]
+        checks.check_equal(mine, list(range(a["resumed_step"] + 1, len(steps) + 1))[:len(mine)],
+                           f"{where}: the steps attempt {a['attempt']} trained")
+
+
+def max_abs_diff(metrics) -> float:
+    """The largest |loss - uninterrupted loss| over every step of every attempt."""
+    reference = {r["step"]: r["loss"] for r in metrics["reference"]}
+    return max(abs(r["loss"] - reference[r["step"]]) for r in metrics["steps"])
+
+
+def restart_timeline(metrics) -> list[dict]:
+    """Per fault (kill or hang), seconds from the fault until the new attempt is back where the fault struck:
+    detected (a peer's collective failed, or torchrun saw the exit), new processes (torchrun stops the group and
+    starts a new one), start-up (Python, torch, rendezvous, process group), build (data, model), load (the
+    checkpoint), replay (the steps after the last checkpoint, again). ``lost_s`` is their sum."""
+    out = []
+    attempts = {a["attempt"]: a for a in metrics["attempts"]}
+    for f in metrics["faults"]:
+        new = attempts.get(f["attempt"] + 1)
+        if new is None or "t" not in f:
+            continue
+        t_detected = min(v for v in (f.get("t_detected"), new["t_process"]) if v is not None)
+        back = [r["t"] for r in metrics["steps"] if r["attempt"] == new["attempt"] and r["step"] == f["step"]]
+        t_back = back[0] if back else new["t_loaded"]
+        parts = {"detect": t_detected - f["t"], "new processes": new["t_process"] - t_detected,
+                 "start-up": new["t_group"] - new["t_process"], "build": new["t_start"] - new["t_group"],
+                 "load": new["t_loaded"] - new["t_start"], "replay": t_back - new["t_loaded"]}
+        parts = {k: max(0.0, v) for k, v in parts.items()}
+        out.append({"kind": f["kind"], "step": f["step"], "rank": f["rank"], "attempt": f["attempt"],
+                    "replayed_steps": f["step"] - new["resumed_step"], "parts": parts,
+                    "lost_s": sum(parts.values())})
+    return out
+
+
+def checkpoint_seconds(metrics) -> list[float]:
+    """How long each save took (rank 0, the students' save call: DCP's plan, write and metadata)."""
+    return [s["seconds"] for s in metrics.get("saves", [])]
+
+
+def resharded(before, after) -> dict:
+    """A run resumed at another world size against the run that wrote its checkpoint and went on: per step after
+    the resume, both losses and their difference."""
+    ref = {r["step"]: r["loss"] for r in before["steps"]}
+    rows = [(r["step"], r["loss"], ref[r["step"]]) for r in after["steps"] if r["step"] in ref]
+    return {"steps": [s for s, _, _ in rows], "loss": [a for _, a, _ in rows], "uninterrupted": [b for _, _, b in rows],
+            "max_abs_diff": max(abs(a - b) for _, a, b in rows) if rows else float("nan"),
+            "world_sizes": (before["attempts"][0]["world_size"], after["attempts"][0]["world_size"])}
+

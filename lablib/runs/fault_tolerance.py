@@ -1,0 +1,74 @@
+"""Lab 10's step: a training run that checkpoints, is killed (or hangs), and resumes, with the students' AppState.
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m lablib.runs.fault_tolerance \\
+        --impl ft_impl.py --ckpt-dir /tmp/ckpt --faults kill:1@5 --reference true --out out.json
+
+Every attempt (torchrun restarts the whole group after a rank fails; ``TORCHELASTIC_RESTART_COUNT`` numbers them)
+runs ``lablib.checkpointing.train``: the students' ``start`` restores the latest complete checkpoint in
+``ckpt_dir`` (or ``resume_from`` on the first attempt), the loop trains to ``steps`` and calls the students' ``save``
+every ``ckpt_every`` steps, rank 0 prints "checkpoint saved at step N" after each, and fault i of ``faults``
+(``kill:RANK@STEP`` or ``hang:RANK@STEP``) is played on attempt i. With ``reference``, attempt 0 first trains the
+same run uninterrupted with lablib's own parts. The world size may differ between attempts (DDP: the sampler's
+position is global). Everything is logged in ``ckpt_dir``; the last attempt returns the whole log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from lablib import checkpointing, script
+from lablib.exercise import load_module, require_file
+
+
+@dataclass(frozen=True)
+class Config(checkpointing.Recipe):
+    impl: str = "ft_impl.py"             # the module file the notebook's exercise cell writes
+    ckpt_dir: str = ""                   # checkpoints and the run's log (a fresh folder per run)
+    ckpt_every: int = 2
+    faults: tuple[str, ...] = ()         # fault i on attempt i: "kill:1@5" (rank 1 SIGKILLs itself after step 5)
+    resume_from: str = ""                # a checkpoint folder to start from on attempt 0 (resharding)
+    reference: bool = False              # attempt 0 trains the uninterrupted run first
+    save_wait_s: float = 10.0            # how long a rank back from save() waits for the others
+
+    def validate(self) -> None:
+        if not self.ckpt_dir:
+            raise ValueError("ckpt_dir is required: a fresh folder for this run's checkpoints and log")
+        if self.steps < 1 or self.ckpt_every < 1:
+            raise ValueError(f"steps={self.steps} and ckpt_every={self.ckpt_every} must be at least 1")
+        for i, text in enumerate(self.faults):
+            fault = checkpointing.Fault.parse(text, i)
+            if not 1 <= fault.step <= self.steps:
+                raise ValueError(f"fault {text!r}: step {fault.step} is outside 1..{self.steps}")
+        require_file(self.impl)
+
+    def validate_world(self, world_size: int) -> None:
+        for text in self.faults:
+            rank = checkpointing.Fault.parse(text, 0).rank
+            if rank >= world_size:
+                raise ValueError(f"fault {text!r}: rank {rank} does not exist with {world_size} ranks")
+        if self.global_batch % world_size:
+            raise ValueError(f"global_batch={self.global_batch} must be a multiple of the world size {world_size}")
+
+
+def run(env, config: Config) -> dict:
+    impl = load_module(config.impl, ("AppState", "start", "save"))
+    recipe = checkpointing.Recipe(**{f.name: getattr(config, f.name) for f in dataclasses.fields(checkpointing.Recipe)})
+    checkpointing.train(impl, recipe, env, config.ckpt_dir, ckpt_every=config.ckpt_every, faults=config.faults,
+                        resume_from=config.resume_from, reference=config.reference, save_wait_s=config.save_wait_s)
+    log = checkpointing.RunLog(config.ckpt_dir, env.rank).read()
+    return {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "reference": [r for r in log if r["kind"] == "reference"],
+            "steps": [r for r in log if r["kind"] == "step"],
+            "attempts": [r for r in log if r["kind"] == "attempt"],
+            "saves": [r for r in log if r["kind"] == "save"],
+            "faults": checkpointing.faults_seen(config.ckpt_dir)}
+
+
+def main() -> None:
+    script.main(Config, run)
+
+
+if __name__ == "__main__":
+    main()

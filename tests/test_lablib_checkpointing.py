@@ -1,0 +1,117 @@
+"""lablib.checkpointing and lablib.ft_probes (lab 10) without torchrun: the sampler reshards, checkpoints are
+found only when complete, the Monte Carlo waste agrees with Young/Daly near the optimum, and the graded checks
+name what differs."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+from lablib import checkpointing, checks, ft_probes
+
+
+def _served(world_size: int, steps_done: int, steps_more: int, state=None, global_batch: int = 8, n_items: int = 24):
+    """The global batches served by all ranks of a world, as sets, after loading state (or from the start)."""
+    samplers = [checkpointing.ResumableSampler(n_items, global_batch, world_size, r, seed=3) for r in range(world_size)]
+    for s in samplers:
+        if state is not None:
+            s.load_state_dict(state)
+        for _ in range(steps_done):
+            s.next_indices()
+    batches = [set().union(*(s.next_indices() for s in samplers)) for _ in range(steps_more)]
+    return batches, samplers[0].state_dict()
+
+
+@pytest.mark.parametrize("before, after", [(4, 2), (4, 1), (2, 4)])
+def test_the_sampler_state_is_global_and_reshards(before, after):
+    expected, _ = _served(before, 0, 7)
+    _, state = _served(before, 4, 0)
+    resumed, _ = _served(after, 0, 3, state=state)
+    assert resumed == expected[4:]
+    assert all(len(b) == 8 for b in expected)
+
+
+def test_the_sampler_crosses_epochs_with_a_new_permutation():
+    s = checkpointing.ResumableSampler(24, 8, 1, 0, seed=0)
+    first = [tuple(s.next_indices()) for _ in range(3)]
+    assert s.state_dict() == {"epoch": 0, "position": 24}
+    second = [tuple(s.next_indices()) for _ in range(3)]
+    assert s.state_dict() == {"epoch": 1, "position": 24}
+    assert sorted(sum(first, ())) == sorted(sum(second, ())) == list(range(24)) and first != second
+
+
+def test_the_sampler_refuses_a_position_of_another_global_batch():
+    s = checkpointing.ResumableSampler(24, 8, 2, 0)
+    with pytest.raises(ValueError, match="global batch"):
+        s.load_state_dict({"epoch": 0, "position": 4})
+
+
+def test_per_rank_without_a_group_is_this_process_value():
+    stored = checkpointing.per_rank({"a": 1})
+    assert checkpointing.this_rank(stored) == {"a": 1}
+
+
+def test_only_complete_checkpoints_are_found(tmp_path):
+    assert checkpointing.latest_checkpoint(tmp_path) is None
+    for step, complete in ((2, True), (4, True), (6, False)):
+        folder = checkpointing.checkpoint_dir(tmp_path, step)
+        folder.mkdir()
+        if complete:
+            (folder / ".metadata").write_text("")
+    assert checkpointing.latest_checkpoint(tmp_path).name == "step_000004"
+
+
+def test_fault_parse():
+    assert checkpointing.Fault.parse("kill:1@5", 0) == checkpointing.Fault("kill", 1, 5, 0)
+    for bad in ("kill:1", "boom:1@2", "kill:a@2"):
+        with pytest.raises(ValueError):
+            checkpointing.Fault.parse(bad, 0)
+
+
+def test_simulated_waste_agrees_with_young_daly_near_the_optimum():
+    C, M = 60.0, 3 * 3600.0
+    tau = math.sqrt(2 * C * M)
+    first_order = C / tau + tau / 2 / M
+    simulated = checkpointing.simulate_waste(tau, C, M, work_s=2000 * M, seed=1)
+    assert simulated == pytest.approx(first_order, rel=0.1)
+    assert checkpointing.simulate_waste(tau / 10, C, M, work_s=300 * M) > simulated
+    assert checkpointing.simulate_waste(tau * 10, C, M, work_s=300 * M) > simulated
+
+
+def _metrics():
+    ref = [{"step": s, "loss": 4.0 - 0.1 * s, "lr": 0.001 * s, "batch": {"epoch": (s - 1) // 3, "position": (s - 1) % 3 * 8}}
+           for s in range(1, 7)]
+    steps = [dict(r, attempt=0) for r in ref[:5]] + [dict(r, attempt=1) for r in ref[4:]]
+    return {"reference": ref, "steps": steps,
+            "attempts": [{"attempt": 0, "world_size": 2, "resumed_step": 0},
+                         {"attempt": 1, "world_size": 2, "resumed_step": 4, "t_process": 10.0, "t_group": 12.0,
+                          "t_start": 12.5, "t_loaded": 13.0}],
+            "faults": [{"kind": "kill", "rank": 1, "step": 5, "attempt": 0, "t": 9.0, "t_detected": 9.1}],
+            "saves": [{"seconds": 0.2}]}
+
+
+def test_check_resumed_passes_an_exact_run_and_names_what_differs():
+    m = _metrics()
+    ft_probes.check_resumed(m, ("kill:1@5",))
+    for field, value, words in (("batch", {"epoch": 0, "position": 0}, "data seen twice"),
+                                ("lr", 0.5, "learning rate"), ("loss", 1.0, "bit for bit")):
+        wrong = copy.deepcopy(m)
+        wrong["steps"][-2][field] = value
+        with pytest.raises(checks.CheckFailed, match=words):
+            ft_probes.check_resumed(wrong, ("kill:1@5",))
+    wrong = copy.deepcopy(m)
+    wrong["attempts"][1]["resumed_step"] = 0
+    with pytest.raises(checks.CheckFailed, match="resumed at"):
+        ft_probes.check_resumed(wrong, ("kill:1@5",))
+
+
+def test_restart_timeline_splits_the_time_lost():
+    m = _metrics()
+    m["steps"][-2]["t"] = 14.0     # step 5 again, in attempt 1
+    (t,) = ft_probes.restart_timeline(m)
+    assert t["replayed_steps"] == 1
+    assert t["parts"] == pytest.approx({"detect": 0.1, "new processes": 0.9, "start-up": 2.0, "build": 0.5,
+                                        "load": 0.5, "replay": 1.0})
+    assert t["lost_s"] == pytest.approx(5.0)
