@@ -36,7 +36,7 @@ from lablib.distenv import DistEnv
 from lablib.memory import StorageCounter
 from lablib.rankcheck import gather_objects, max_abs_diff, weight_spread
 
-CLASSES = {"zero1": "ShardedOptimizer", "zero2": "ZeRO2"}
+CLASSES = {"zero1": "ShardedOptimizer", "zero2": "ZeRO2", "zero3": "ZeRO3"}
 
 
 # --- the cases --------------------------------------------------------------------------------------------------
@@ -125,13 +125,14 @@ def reachable_tensors(obj, depth: int = 8):
             stack.extend((v, d - 1, False) for v in vars(x).values())
 
 
-def held_bytes(model: nn.Module, obj) -> dict:
+def held_bytes(model: nn.Module, obj, shards=()) -> dict:
     """Bytes this rank holds: the model's parameters (their storages: a flat buffer they are views of counts
-    whole, padding included), the gradients (any ``.grad`` reachable from the model or from obj) and everything
-    else reachable from obj (the optimizer state, wherever kept). Each storage once."""
+    whole, padding included; a freed one, resized to 0, counts nothing) and ``shards`` (ZeRO-3's parameters at
+    rest), the gradients (any ``.grad`` reachable from the model or from obj) and everything else reachable from
+    obj (the optimizer state, wherever kept). Each storage once."""
     counter = StorageCounter()
     params = list(model.parameters())
-    out = {"params": counter.add(params)}
+    out = {"params": counter.add([*params, *shards])}
     found = list(reachable_tensors(obj))
     out["grads"] = counter.add([p.grad for p in params] + [t for t, is_grad in found if is_grad])
     out["optimizer"] = counter.add(t for t, is_grad in found if not is_grad)
@@ -147,8 +148,13 @@ def adamw_state_bytes(params) -> int:
 # --- the probe --------------------------------------------------------------------------------------------------
 
 def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int = 10, per_rank: int = 4,
-               seed: int = 0) -> dict:
-    """Train the student's class and plain AdamW side by side on group's ranks (world size 1 in a notebook)."""
+               seed: int = 0, fsdp2: bool = False) -> dict:
+    """Train the student's class and plain AdamW side by side on group's ranks (world size 1 in a notebook).
+    Exercise 3 (``zero3``) is ``lablib.zero3_probes.probe`` (4 steps; fsdp2: FSDP2's losses too, real ranks)."""
+    if exercise == "zero3":
+        from lablib import zero3_probes
+        return zero3_probes.probe(impl, case_name, env, group, steps=min(steps, 4), per_rank=min(per_rank, 2),
+                                  seed=seed, fsdp2=fsdp2)
     case = CASES[case_name]
     world_size = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -219,10 +225,15 @@ def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int 
         out["weight_spread_across_ranks"] = max(spreads)
         out["full_grads_kept_after_step"] = max(grads_kept)
     except Exception as exc:  # noqa: BLE001 - a wrong answer is a result to report, not a crash of the run
-        mine = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith("_impl.py")]
-        where = f" (at {mine[-1].filename.rsplit('/', 1)[-1]} line {mine[-1].lineno}: {mine[-1].line})" if mine else ""
-        out["error"] = f"{type(exc).__name__}: {exc}{where}"
+        out["error"] = error_in_impl(exc)
     return out
+
+
+def error_in_impl(exc: BaseException) -> str:
+    """The exception in one line, with the line of the student's ``*_impl.py`` it came from (if any)."""
+    mine = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith("_impl.py")]
+    where = f" (at {mine[-1].filename.rsplit('/', 1)[-1]} line {mine[-1].lineno}: {mine[-1].line})" if mine else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def rehearse(impl, exercise: str, runs) -> list[dict]:
@@ -254,6 +265,9 @@ def rehearse(impl, exercise: str, runs) -> list[dict]:
 def check_probe(r: dict, exercise: str) -> None:
     """The graded checks of one probe_case result (at any world size); each failure says what and why."""
     r = r.to_dict() if hasattr(r, "to_dict") else r      # a launch.RunResult: plain lists and dicts to compare
+    if exercise == "zero3":
+        from lablib import zero3_probes
+        return zero3_probes.check(r)
     where = f"{CLASSES[exercise]} on {r['world_size']} rank(s), case '{r['case']}'"
     checks.check_true(r["error"] is None, f"{where}: raised {r['error']}",
                       hint="NotImplementedError: the exercise cell is still the stub (write it and run it); any other "

@@ -106,3 +106,52 @@ def test_rehearsal_sums_in_rank_order_and_names_a_collective_only_some_ranks_cal
     with pytest.raises(RehearsalDeadlock, match="broadcast"):
         run_in_thread_ranks(2, owner_only, timeout_s=1.0)
     assert not dist.is_initialized()     # torch.distributed's own functions are back
+
+
+def test_held_bytes_counts_zero3_shards_as_parameters_and_a_freed_buffer_as_nothing():
+    model = torch.nn.Linear(3, 2)                        # 8 parameters, views of a full buffer that is then freed
+    full = torch.zeros(8)
+    offset = 0
+    for p in model.parameters():
+        p.data = full[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    full.untyped_storage().resize_(0)
+    shard = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([shard])
+    shard.grad = torch.ones(4)
+    opt.step()
+    held = zero_probes.held_bytes(model, {"optimizer": opt}, shards=[shard])
+    assert held == {"params": 16, "grads": 16, "optimizer": 36, "total": 68}
+
+
+def _zero3_result(forward_peak, params_at_rest=12_740, **changes):
+    r = {"case": "mlp", "world_size": 2, "steps": 4, "error": None, "n_params": 6369, "n_units": 7,
+         "block_bytes": [4224] * 6, "root_bytes": 132, "shard_numel_total": 3188,
+         "max_abs_grad_diff_vs_mean": 0.0, "max_abs_grad": 1.0, "max_abs_diff_vs_adamw": 0.0, "max_abs_weight": 1.0,
+         "max_abs_loss_diff_vs_adamw": 0.0, "full_grads_kept_after_step": 0, "forward_peak_per_rank": [forward_peak] * 2,
+         "held_per_rank": [{"params": params_at_rest, "grads": 12_752, "optimizer": 25_532}] * 2}
+    return {**r, **changes}
+
+
+def test_zero3_checks_pass_one_block_at_a_time_and_reject_never_freeing_and_summing():
+    zero_probes.check_probe(_zero3_result(4360), "zero3")
+    with pytest.raises(AssertionError, match="gathered parameter bytes"):     # every block still gathered
+        zero_probes.check_probe(_zero3_result(25_480), "zero3")
+    with pytest.raises(AssertionError, match="at rest"):                     # never freed after the backward
+        zero_probes.check_probe(_zero3_result(4360, params_at_rest=25_476 + 12_740), "zero3")
+    with pytest.raises(AssertionError, match="mean gradient"):
+        zero_probes.check_probe(_zero3_result(4360, max_abs_grad_diff_vs_mean=0.25), "zero3")
+    with pytest.raises(AssertionError, match="gather the block again in before_backward"):
+        zero_probes.check_probe(_zero3_result(4360, error="RuntimeError: setStorage: ... out of bounds for "
+                                                          "storage of size 0"), "zero3")
+    with pytest.raises(AssertionError, match="FSDP2"):
+        zero_probes.check_probe(_zero3_result(4360, losses=[1.0], fsdp2_losses=[1.1],
+                                              max_abs_loss_diff_vs_fsdp2=0.1), "zero3")
+
+
+def test_zero3_cases_are_known_to_the_graded_run_only_for_exercise_3(tmp_path):
+    impl = tmp_path / "zero3_impl.py"
+    impl.write_text("class ZeRO3: pass\n")
+    cfg.from_options(zero_scratch.Config, {"impl": str(impl), "exercise": "zero3", "runs": ("2:mlp", "3:gpt")})
+    with pytest.raises(ValueError, match="known cases"):
+        cfg.from_options(zero_scratch.Config, {"impl": str(impl), "exercise": "zero1", "runs": ("3:gpt",)})

@@ -1,4 +1,4 @@
-"""Lab 07's graded step: the students' ``ShardedOptimizer`` (ZeRO-1) and ``ZeRO2`` on real ranks.
+"""Lab 07's graded step: the students' ``ShardedOptimizer`` (ZeRO-1), ``ZeRO2`` and ``ZeRO3`` on real ranks.
 
     torchrun --standalone --nproc-per-node 4 -m lablib.runs.zero_scratch --impl zero1_impl.py \\
         --exercise zero1 --runs 2:mlp,3:mlp,4:groups --out out.json
@@ -6,7 +6,8 @@
 One torchrun start checks several (world size, case) pairs, as lab 06's does: the job has as many processes
 as the largest world size asked for, and for world size n the first n ranks form a group of their own that stands in as the default group while the
 student's class runs (``ddp_probes.default_group``); the other ranks wait at the next barrier. What each rank
-does and records is ``lablib.zero_probes.probe_case``.
+does and records is ``lablib.zero_probes.probe_case`` (``zero3``: ``lablib.zero3_probes.probe``, with FSDP2's
+losses on the same ranks).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import torch.distributed as dist
 from lablib import script
 from lablib.ddp_probes import load_impl
 from lablib.exercise import require_file
+from lablib import zero3_probes
 from lablib.zero_probes import CASES, CLASSES, probe_case
 
 
 @dataclass(frozen=True)
 class Config:
     impl: str = "zero1_impl.py"          # the module file the notebook's exercise cell writes
-    exercise: str = "zero1"              # zero1 (ShardedOptimizer) or zero2 (ZeRO2)
+    exercise: str = "zero1"              # zero1 (ShardedOptimizer), zero2 (ZeRO2) or zero3 (ZeRO3)
     runs: tuple[str, ...] = ("2:mlp",)   # "world size:case", each checked in turn; start the job with the
                                          # largest world size's number of ranks
     steps: int = 10
@@ -35,11 +37,12 @@ class Config:
         if self.exercise not in CLASSES:
             raise ValueError(f"exercise={self.exercise!r} must be one of {sorted(CLASSES)}")
         pairs = [r.split(":") for r in self.runs]
+        cases = zero3_probes.CASES if self.exercise == "zero3" else CASES
         bad = [r for r, p in zip(self.runs, pairs) if len(p) != 2 or not p[0].isdigit() or int(p[0]) < 1
-               or p[1] not in CASES]
+               or p[1] not in cases]
         if bad or not self.runs:
             raise ValueError(f"runs={self.runs}: {bad or 'none'} not of the form 'world size:case', e.g. '2:mlp'; "
-                             f"known cases are {sorted(CASES)}")
+                             f"known cases are {sorted(cases)}")
         if self.steps < 1 or self.per_rank < 1:
             raise ValueError(f"steps={self.steps} and per_rank={self.per_rank} must be positive")
         require_file(self.impl)
@@ -63,7 +66,8 @@ def run(env, config: Config) -> dict:
     for i, (n, case) in enumerate(config.pairs()):
         if env.rank < n:   # the other ranks go on to the barrier and wait there
             results[f"{n}:{case}"] = probe_case(impl, config.exercise, case, env, groups[n], steps=config.steps,
-                                                per_rank=config.per_rank, seed=config.seed)
+                                                per_rank=config.per_rank, seed=config.seed,
+                                                fsdp2=case == "gpt")
         dist.barrier()
         script.progress(env, i + 1, len(config.runs))
     return {"runs": results if env.is_main else {}}

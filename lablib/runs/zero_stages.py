@@ -1,13 +1,15 @@
-"""Lab 07's measurement: the students' ZeRO-1 and ZeRO-2 next to DDP, ZeroRedundancyOptimizer and FSDP2.
+"""Lab 07's measurement: the students' ZeRO-1, 2 and 3 next to DDP, ZeroRedundancyOptimizer and FSDP2.
 
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.zero_stages --zero1-impl zero1_impl.py \\
-        --zero2-impl zero2_impl.py --out zero_stages.json
+        --zero2-impl zero2_impl.py --zero3-impl zero3_impl.py --out zero_stages.json
 
 Lab 04's GPT, batches and PyTorch variants (``lablib.runs.zero_memory``: DDP, DDP + ZeroRedundancyOptimizer,
 FSDP2 with and without resharding after the forward), plus the students' classes:
 
 - ``zero1_yours``  DDP (``gradient_as_bucket_view``) + the student's ``ShardedOptimizer(AdamW)``;
-- ``zero2_yours``  the student's ``ZeRO2(model, AdamW)``: no DDP, its own reduce-scatter and all-gather.
+- ``zero2_yours``  the student's ``ZeRO2(model, AdamW)``: no DDP, its own reduce-scatter and all-gather;
+- ``zero3_yours``  the student's ``ZeRO3(model, model.h, AdamW)``: each transformer block a unit, gathered in
+                   its hooks (the blocks' shards count as parameters).
 
 Every variant trains the same AdamW steps from the same weights on the same batches. In the last step each rank
 counts what it holds after the forward, the backward and the step (storages, each once: ``memory.model_state_bytes``
@@ -32,8 +34,9 @@ from lablib.models import GPT
 from lablib.runs.zero_memory import Config as Lab04Config, apply_ddp, batches, held_params, shard_every_layer
 from lablib.zero_probes import held_bytes
 
-VARIANTS = ("ddp", "zero1_torch", "zero1_yours", "zero2_yours", "fsdp2_grad_op", "fsdp2_full")
-STAGE = {"ddp": 0, "zero1_torch": 1, "zero1_yours": 1, "zero2_yours": 2, "fsdp2_grad_op": 2, "fsdp2_full": 3}
+VARIANTS = ("ddp", "zero1_torch", "zero1_yours", "zero2_yours", "zero3_yours", "fsdp2_grad_op", "fsdp2_full")
+STAGE = {"ddp": 0, "zero1_torch": 1, "zero1_yours": 1, "zero2_yours": 2, "zero3_yours": 3, "fsdp2_grad_op": 2,
+         "fsdp2_full": 3}
 PHASES = ("after_forward", "after_backward", "after_step")
 
 
@@ -41,6 +44,7 @@ PHASES = ("after_forward", "after_backward", "after_step")
 class Config:
     zero1_impl: str = "zero1_impl.py"   # the exercise files the notebook writes
     zero2_impl: str = "zero2_impl.py"
+    zero3_impl: str = "zero3_impl.py"
     variants: tuple[str, ...] = VARIANTS
     steps: int = 4                      # AdamW steps per variant; bytes and collectives from the last one
     warmup: int = 1                     # steps left out of the step time
@@ -53,7 +57,8 @@ class Config:
             raise ValueError(f"variants={self.variants!r}: unknown {unknown}; choose from {', '.join(VARIANTS)}")
         if self.steps < 2 or not 0 <= self.warmup < self.steps:
             raise ValueError(f"steps={self.steps} (at least 2) and warmup={self.warmup} (fewer than steps)")
-        for v, path in (("zero1_yours", self.zero1_impl), ("zero2_yours", self.zero2_impl)):
+        for v, path in (("zero1_yours", self.zero1_impl), ("zero2_yours", self.zero2_impl),
+                        ("zero3_yours", self.zero3_impl)):
             if v in self.variants:
                 require_file(path)
 
@@ -73,7 +78,7 @@ class _Stepper:
         torch.manual_seed(lab04.seed)       # the same initial weights on every rank and in every variant
         self.model = GPT(lab04.gpt()).to(env.device)
         self.log = counting.CollectiveLog()
-        self.sharded, self.students = [], None
+        self.sharded, self.students, self.shards = [], None, []
         hyper = {"lr": lab04.lr, "weight_decay": lab04.weight_decay}
         if variant in ("ddp", "zero1_torch"):
             self.wrapped, self.opt = apply_ddp(self.model, lab04, zero1=variant == "zero1_torch")
@@ -87,6 +92,11 @@ class _Stepper:
             impl = load_impl(config.zero2_impl, ("ZeRO2",))
             self.wrapped = self.model
             self.opt = self.students = impl.ZeRO2(self.model, torch.optim.AdamW, **hyper)
+        elif variant == "zero3_yours":
+            impl = load_impl(config.zero3_impl, ("ZeRO3",))
+            self.wrapped = self.model
+            self.opt = self.students = impl.ZeRO3(self.model, list(self.model.h), torch.optim.AdamW, **hyper)
+            self.shards = [u.shard for u in self.students.all_units()]   # its parameters at rest
         else:
             self.wrapped = shard_every_layer(self.model, reshard_after_forward=variant == "fsdp2_full")
             self.opt = torch.optim.AdamW(self.model.parameters(), **hyper)
@@ -94,7 +104,7 @@ class _Stepper:
 
     def held(self) -> dict:
         if self.students is not None:
-            return held_bytes(self.model, self.students)
+            return held_bytes(self.model, self.students, self.shards)
         return memory.model_state_bytes(held_params(self.model, self.sharded), self.opt)
 
 

@@ -46,3 +46,45 @@ WRONG_ANSWERS = {
                       "        start = self.rank * (numel // self.world_size)\n"))),
     ],
 }
+
+WRONG_ANSWERS["zero3"] = [
+    # Each fails in the rehearsal on ranks that are threads (no torchrun start); the first two at world size 1.
+    ("never frees a block after its forward: every block's full parameters stay gathered through the forward",
+     _changed("zero3", ("until its backward.\"\"\"\n        self.free(unit)\n", "until its backward.\"\"\"\n        pass\n"))),
+    ("does not gather a block again for its backward (the backward finds its weights freed)",
+     _changed("zero3", ("saved views of them).\"\"\"\n        self.gather(unit)\n",
+                        "saved views of them).\"\"\"\n        pass\n"))),
+    ("sums the gradients over the ranks instead of averaging them", _changed(
+        "zero3", ("        unit.shard.grad = shard_grad.div_(self.world_size)         # the mean\n",
+                  "        unit.shard.grad = shard_grad\n"))),
+    ("a padding element leaks into the update: shard r starts at r * (numel // N), not r * S", _changed(
+        "zero3", ("        start = rank * self.shard_numel\n", "        start = rank * (numel // world_size)\n"))),
+    ("keeps the full gradients after the reduce-scatter (p.grad never freed)", _changed(
+        "zero3", ("            p.grad = None                                          # the full gradient is not kept\n",
+                  ""))),
+]
+
+CORRECT_VARIANTS = {
+    "zero3": [
+        ("divides before the reduce-scatter and pads the gradient with torch.cat (the mean of the ranks' 1/N-scaled "
+         "gradients)", _changed("zero3", (
+             """        grads = torch.zeros(self.world_size * unit.shard_numel, dtype=unit.shard.dtype, device=unit.shard.device)
+        offset = 0
+        for p in unit.params:
+            grads[offset:offset + p.numel()].copy_(p.grad.flatten())
+            p.grad = None                                          # the full gradient is not kept
+            offset += p.numel()
+        shard_grad = torch.empty_like(unit.shard)                  # (S,)
+        dist.reduce_scatter_tensor(shard_grad, grads)              # sum over ranks of shard r -> rank r
+        unit.shard.grad = shard_grad.div_(self.world_size)         # the mean
+""",
+             """        flat = [p.grad.flatten() / self.world_size for p in unit.params]
+        padding = self.world_size * unit.shard_numel - sum(g.numel() for g in flat)
+        grads = torch.cat(flat + [flat[0].new_zeros(padding)])
+        for p in unit.params:
+            p.grad = None
+        unit.shard.grad = torch.empty_like(unit.shard)
+        dist.reduce_scatter_tensor(unit.shard.grad, grads)
+"""))),
+    ],
+}
