@@ -24,6 +24,7 @@ Read it like a table of contents:
 - ``lablib.ddp_probes`` lab 06's probe of the students' DDP classes on the ranks, and its graded checks
 - ``lablib.zero_probes`` lab 07's probe of the students' ZeRO-1 and ZeRO-2 classes (bit-exact vs AdamW, the state
                        and gradient bytes each rank holds), and its graded checks
+- ``lablib.zero3_probes`` lab 07's probe of the students' ZeRO-3 (gathered per block, vs AdamW and FSDP2), its checks
 - ``lablib.rehearsal`` ranks as threads of this process: an exercise rehearsed in a second before a torchrun start
                        (collectives for lab 07, point-to-point for lab 02), a deadlock named at once
 - ``lablib.tp_probes`` lab 08's probe of the students' tensor-parallel f and g, MLP and attention, and its checks
