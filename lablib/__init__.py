@@ -5,6 +5,8 @@ Read it like a table of contents:
 - ``lablib.distenv``   the process environment: one frozen ``DistEnv`` built from torchrun's variables
 - ``lablib.launch``    ``run(step, options, nproc=...)``: a ``lablib.runs.<step>`` under torchrun, its result;
                        ``run_script(path, nproc=...)``: any script, with each rank's output and stacks
+- ``lablib.multinode`` a step across machines: the torchrun command each node runs (``launchers/multinode``,
+                       ``launchers/slurm.sbatch``), and several nodes on this machine (a node leaves or joins)
 - ``lablib.processes`` the launcher-rank contract (run folder, logs, errors, timeouts) and process supervision
 - ``lablib.config``    typed, strict option parsing shared by the launcher and the run scripts
 - ``lablib.script``    the skeleton every run script shares (errors, JSON output, clean shutdown)

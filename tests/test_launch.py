@@ -39,7 +39,7 @@ def test_success_streams_rank0_and_returns_json(capsys):
     result = launch.run("hello", nproc=2, timeout_s=120)
     assert result["metrics"]["all_reduce_sum"] == 3
     assert result["config"] == {"fail_rank": -1, "hang_rank": -1, "hang_s": 3600.0, "abort_rank": -1,
-                                "fail_attempts": 0}
+                                "fail_attempts": 0, "rounds": 0, "round_s": 0.2}
     # The ranks' collectives time out a little before the run does: one clock, derived from timeout_s.
     assert result["metrics"]["rank_timeout_s"] == pytest.approx(0.9 * 120)
     out = capsys.readouterr().out

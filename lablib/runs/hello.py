@@ -8,7 +8,10 @@ ranks then wait in the all-reduce until their collective timeout, or the launche
 ``abort_rank`` kills that rank with SIGABRT after its work is done, as a C++ library abort would (the
 launcher must report a death by signal as such, never as the code's error). With ``fail_attempts`` > 0,
 ``fail_rank`` fails only on torchrun's first ``fail_attempts`` attempts (``launch.run(..., max_restarts=)``
-then restarts the group, and the result says which attempt finished).
+then restarts the group, and the result says which attempt finished). ``rounds`` more all-reduces, one every
+``round_s`` seconds, each announced by rank 0 ("round k of n, world size w"), keep a job alive long enough for a
+node to leave it (``lablib.multinode.run_nodes(leave=...)``); each rank reports its node (torchrun's
+``GROUP_RANK``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class Config:
     hang_s: float = 3600.0
     abort_rank: int = -1
     fail_attempts: int = 0
+    rounds: int = 0
+    round_s: float = 0.2
 
     def validate_world(self, world_size: int) -> None:
         for name in ("fail_rank", "hang_rank", "abort_rank"):
@@ -51,7 +56,13 @@ def run(env, config: Config) -> dict:
     value = torch.tensor([float(env.rank + 1)], device=env.device)
     if dist.is_initialized():
         dist.all_reduce(value)
-    info = {**env.describe(), "pid": os.getpid(), "hostname": os.uname().nodename}
+    for k in range(config.rounds):
+        time.sleep(config.round_s)
+        dist.all_reduce(torch.ones(1, device=env.device))
+        if env.is_main:
+            print(f"round {k + 1} of {config.rounds}, world size {env.world_size}", flush=True)
+    info = {**env.describe(), "pid": os.getpid(), "hostname": os.uname().nodename,
+            "node": int(os.environ.get("GROUP_RANK", "0")), "slurm_node": os.environ.get("SLURMD_NODENAME", "")}
     gathered = gather_objects(info, env)
     if env.is_main:
         print(f"{env.world_size} rank(s) on backend {env.backend}; all-reduce sum = {value.item():.0f}")
