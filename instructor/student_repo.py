@@ -22,8 +22,8 @@ import nbformat
 
 from instructor.course import LABS, REPO, SOLUTIONS, all_labs
 
-SHIPPED = ["labs", "lablib", "launchers/lab", "launchers/_setup.sh", "environment.yml", "requirements.txt",
-           "pyproject.toml"]
+SHIPPED = ["labs", "lablib", "launchers/lab", "launchers/_setup.sh", "launchers/multinode", "launchers/slurm.sbatch",
+           "environment.yml", "requirements.txt", "pyproject.toml"]
 NEVER = re.compile(r"(__pycache__|\.ipynb_checkpoints|\.egg-info|_impl\.py$|\.pyc$)")
 SOLUTION_REGION = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
 HIDDEN_REGION = re.compile(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", re.S)
@@ -95,6 +95,10 @@ version of each check may run more cases (other world sizes, shapes and dtypes) 
 Multi-process steps run as real `torchrun` jobs started from the notebook (`lablib/runs/<step>.py`); a
 timeout or "interrupt kernel" stops every process. If a step reports that a rank was *killed by a signal*,
 that is the machine, not your code: run the cell again.
+
+On several machines, every node runs the same command (step options after `--`), or Slurm starts one per node:
+`launchers/multinode STEP --nnodes 2 --nproc-per-node 4 --rdzv-endpoint FIRST_NODE:29500`, or
+`sbatch --nodes 2 launchers/slurm.sbatch STEP`. Rank 0's result goes to `results/<step>-<job id>.json`.
 
 Hand in the notebook file itself (`labs/NN_name/NN_name.ipynb`), the way your course asks.
 """
