@@ -29,11 +29,11 @@ from lablib import multinode
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _hello_processes():
+def _step_processes():
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "lablib.runs.hello" in " ".join(p.info["cmdline"] or []):
+            if any(f"lablib.runs.{step}" in " ".join(p.info["cmdline"] or []) for step in ("hello", "collectives")):
                 found.append(p)
         except psutil.Error:
             pass
@@ -42,9 +42,9 @@ def _hello_processes():
 
 def _gone(timeout_s=15.0):
     deadline = time.monotonic() + timeout_s
-    while _hello_processes() and time.monotonic() < deadline:
+    while _step_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
-    return not _hello_processes()
+    return not _step_processes()
 
 
 def _ranks(result):
@@ -52,11 +52,13 @@ def _ranks(result):
 
 
 def test_two_agents_on_loopback_form_one_job_of_four_ranks(tmp_path):
-    """The command a cluster runs on each node, run twice here: 2 nodes x 2 processes = world 4, one result."""
+    """The command a cluster runs on each node, run twice here: 2 nodes x 2 processes = world 4, running lab 00's
+    step (every collective on 4 ranks, before and after), one result."""
     port = multinode.free_port()
-    out = tmp_path / "hello.json"
-    cmd = [str(REPO / "launchers" / "multinode"), "hello", "--nnodes", "2", "--nproc-per-node", "2",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test-job", "--out", str(out), "--", "--rounds", "2"]
+    out = tmp_path / "collectives.json"
+    cmd = [str(REPO / "launchers" / "multinode"), "collectives", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test-job", "--out", str(out), "--",
+           "--world_sizes", "4"]
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)]
     time.sleep(1.0)   # the first agent hosts the rendezvous store
@@ -69,11 +71,14 @@ def test_two_agents_on_loopback_form_one_job_of_four_ranks(tmp_path):
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
     assert [a.returncode for a in agents] == [0, 0], outputs
-    result = json.loads(out.read_text())
-    assert result["metrics"]["all_reduce_sum"] == 10.0          # 1 + 2 + 3 + 4: every rank of both nodes
-    assert _ranks(result) == [(0, 0), (0, 1), (1, 2), (1, 3)]   # two ranks on each node
-    assert all(r["world_size"] == 4 for r in result["metrics"]["ranks"])
-    assert "round 2 of 2, world size 4" in "".join(outputs)
+    picture = json.loads(out.read_text())["metrics"]["pictures"]["4"]
+    assert picture["world_size"] == 4
+    all_reduce, all_gather = picture["collectives"]["all_reduce"], picture["collectives"]["all_gather"]
+    total = [sum(column) for column in zip(*all_reduce["before"])]
+    assert all_reduce["after"] == [total] * 4                       # every rank of both nodes took part
+    assert all_gather["after"] == [sum(all_gather["before"], [])] * 4
+    assert all(calls[0]["world_size"] == 4 for calls in all_reduce["calls"])
+    assert all("--rdzv-endpoint=127.0.0.1" in o for o in outputs)   # each node printed the command it ran
     assert _gone()
 
 
