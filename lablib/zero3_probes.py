@@ -65,8 +65,8 @@ def loss_of(model, case: str, x, y) -> torch.Tensor:
     return model(x, y)[1] if case == "gpt" else F.mse_loss(model(x), y)
 
 
-def mean_over_ranks(value: float, world_size: int) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+def mean_over_ranks(value: float, world_size: int, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)   # on the rank's device: NCCL needs it there
     if world_size > 1:
         dist.all_reduce(t)
     return t.item() / world_size
@@ -114,7 +114,7 @@ def fsdp2_losses(case: str, env, group, steps: int, per_rank: int, seed: int) ->
         loss = loss_of(model, case, x.to(env.device), y.to(env.device))
         loss.backward()
         opt.step()
-        t = loss.detach().double().cpu().reshape(1)
+        t = loss.detach().double().reshape(1)
         dist.all_reduce(t, group=group)
         losses.append(t.item() / world_size)
     return losses
@@ -162,11 +162,11 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
                     loss = loss_of(model, case, x, y)
                 fwd_peaks.append(meter.peak)
                 loss.backward()
-                losses.append(mean_over_ranks(loss.item(), world_size))
+                losses.append(mean_over_ranks(loss.item(), world_size, env.device))
                 ref_opt.zero_grad()
                 ref_loss = loss_of(reference, case, x, y)
                 ref_loss.backward()
-                ref_losses.append(mean_over_ranks(ref_loss.item(), world_size))
+                ref_losses.append(mean_over_ranks(ref_loss.item(), world_size, env.device))
                 with torch.no_grad():            # the reference: the mean gradient, one flat collective
                     flat = torch.cat([q.grad.flatten() for q in reference.parameters()])
                     if world_size > 1:
