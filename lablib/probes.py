@@ -78,6 +78,22 @@ def loader_probe_without_processes(make_loader, start_epoch, world_size: int, se
             "batch_sizes": sorted({b for p in per_rank for b in p["batch_sizes"]})}
 
 
+def mean_probe_without_processes(mean_across_ranks, world_size: int) -> dict | None:
+    """probe_mean on a world of world_size ranks that are threads of this process (``lablib.rehearsal``): a quick
+    look before the real run, never a replacement for it. None when the answer calls a collective the rehearsal
+    does not stand in for (the real run then decides)."""
+    from lablib.distenv import DistEnv
+    from lablib.rehearsal import RehearsalUnsupported, run_in_thread_ranks
+
+    def rank(r):
+        return probe_mean(mean_across_ranks, DistEnv(r, r, world_size, world_size, torch.device("cpu"), "gloo"))
+
+    try:
+        return run_in_thread_ranks(world_size, rank)[0]
+    except RehearsalUnsupported:
+        return None
+
+
 def fsdp_plan_without_processes(apply_fsdp, model) -> dict:
     """fsdp_plan of apply_fsdp(model, mesh) on a world of one process (a gloo group of one, torn down after):
     which modules become units and each unit's policy, without starting ranks."""
