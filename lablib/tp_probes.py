@@ -74,6 +74,8 @@ def reference_g(x: torch.Tensor, group) -> torch.Tensor:
 REFERENCE_F_G = types.SimpleNamespace(f=reference_f, g=reference_g)
 REFERENCE_ONLY = ("exercise 1 is f and g written as autograd functions; lablib.tp_probes' reference_f and "
                   "reference_g are what they are checked against, not an answer")
+QKV_REFERENCE_ONLY = ("exercise 3 splits c_attn's q, k and v rows by head itself; lablib.tensor_parallel."
+                      "qkv_rows_by_rank serves the DTensor section and is not an answer")
 
 
 def load_impl(path: str, required: tuple[str, ...], reference_comm: bool):
@@ -152,7 +154,19 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def probe_layer(impl, kind: str, tp: int, group, env, bias: bool = True, steps: int = 2, seed: int = 0) -> dict:
     """Build the student's module from the full one on group's ranks, train both a few SGD steps on the same
-    batches, and record the losses, the largest gradient and weight differences, collectives and bytes."""
+    batches, and record the losses, the largest gradient and weight differences, collectives and bytes.
+
+    While the attention runs, ``lablib.tensor_parallel.qkv_rows_by_rank`` (the row order DTensor's section needs
+    for the fused c_attn) refuses to run: it would hand out exercise 3's weight split."""
+    from lablib import tensor_parallel   # (it imports this module)
+
+    if kind != "attention":
+        return _probe_layer(impl, kind, tp, group, env, bias, steps, seed)
+    with checks.answer_without(tensor_parallel.qkv_rows_by_rank, reason=QKV_REFERENCE_ONLY):
+        return _probe_layer(impl, kind, tp, group, env, bias, steps, seed)
+
+
+def _probe_layer(impl, kind: str, tp: int, group, env, bias: bool, steps: int, seed: int) -> dict:
     config = case_config(tp, bias)
     reference = full_module(kind, config, seed)
     out = {"kind": kind, "tp": tp, "bias": bias, "steps": steps, "error": None, "forward": [], "backward": []}

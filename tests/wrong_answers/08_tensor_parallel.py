@@ -42,6 +42,14 @@ WRONG_ANSWERS = {
             "tp_attention", ("        self.n_head = attn.n_head // n                       # whole heads on this rank",
                              "        self.n_head = attn.n_head"),
             ("        width = self.n_head * (n_embd // attn.n_head)", "        width = n_embd // n"))),
+        ("c_attn's rows taken with lablib's qkv_rows_by_rank (the DTensor section's helper) instead of split by "
+         "head (the pre-check refuses it in process)", _changed(
+            "tp_attention", ("            self.c_attn.weight.copy_(w_qkv[:, mine].flatten(0, 1))",
+                             "            from lablib.tensor_parallel import qkv_rows_by_rank\n"
+                             "            order = qkv_rows_by_rank(n_embd, n).chunk(n)[r]\n"
+                             "            self.c_attn.weight.copy_(attn.c_attn.weight.detach()[order])"),
+            ("                self.c_attn.bias.copy_(attn.c_attn.bias.detach().unflatten(0, (3, n_embd))[:, mine].flatten())",
+             "                self.c_attn.bias.copy_(attn.c_attn.bias.detach()[order])"))),
     ],
     "forward_bytes_answer": [
         ("counts the backward's all-reduces too", _changed("forward_bytes_answer", ('"a"', '"b"'))),
