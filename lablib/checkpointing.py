@@ -135,7 +135,7 @@ def this_rank(stored: _PerRank):
 class Recipe:
     """The training run (a run script's Config has these fields): small enough for 2 CPU cores."""
 
-    steps: int = 10
+    steps: int = 8
     global_batch: int = 8
     n_items: int = 24            # samples per epoch: 3 global batches, so a run crosses epochs
     block_size: int = 32
@@ -412,7 +412,7 @@ def faults_seen(folder) -> list[dict]:
 
 def simulate_waste(interval_s: float, checkpoint_s: float, mtbf_s: float, restart_s: float = 0.0,
                    work_s: float = 3e6, seed: int = 0) -> float:
-    """The fraction of wall-clock time not spent on new work, for a job of work_s seconds of work that writes a
+    """The seconds wasted per second of new work (wall / work - 1), for a job of work_s seconds of work that writes a
     checkpoint (checkpoint_s, blocking) after every interval_s of work and fails at exponentially distributed
     times (mean mtbf_s); after a failure it restarts (restart_s) from its last checkpoint. A failure can strike
     during a checkpoint (that checkpoint is lost too), not during a restart. A Monte Carlo reference for the
@@ -428,4 +428,4 @@ def simulate_waste(interval_s: float, checkpoint_s: float, mtbf_s: float, restar
             continue
         wall = next_failure + restart_s          # the segment's work is lost; restart from the last checkpoint
         next_failure = wall + rng.expovariate(1.0 / mtbf_s)
-    return 1.0 - work_s / wall
+    return wall / work_s - 1.0

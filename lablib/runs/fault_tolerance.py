@@ -30,7 +30,7 @@ class Config(checkpointing.Recipe):
     faults: tuple[str, ...] = ()         # fault i on attempt i: "kill:1@5" (rank 1 SIGKILLs itself after step 5)
     resume_from: str = ""                # a checkpoint folder to start from on attempt 0 (resharding)
     reference: bool = False              # attempt 0 trains the uninterrupted run first
-    save_wait_s: float = 10.0            # how long a rank back from save() waits for the others
+    save_wait_s: float = 6.0             # how long a rank back from save() waits for the others
 
     def validate(self) -> None:
         if not self.ckpt_dir:
