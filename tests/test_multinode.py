@@ -260,11 +260,21 @@ def test_the_slurm_batch_script_runs_a_step_on_two_nodes(slurm_cluster):
     results = folder / "results"
     env = {**env, "LABS_NPROC_PER_NODE": "2", "LABS_RDZV_PORT": str(multinode.free_port()),
            "LABS_RESULTS": str(results)}
-    submit = subprocess.run(["sbatch", "--wait", "--nodes", "2", f"--output={folder}/job-%j.out",
+    submit = subprocess.run(["sbatch", "--parsable", "--nodes", "2", f"--output={folder}/job-%j.out",
                              str(REPO / "launchers" / "slurm.sbatch"), "hello", "--rounds", "2"],
-                            env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+                            env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    # (sbatch --wait would do, but it polls the job's state ever more slowly: about 40 s for a 10 s job)
+    deadline, state = time.monotonic() + 240, ""
+    while time.monotonic() < deadline:
+        state = subprocess.run(["scontrol", "show", "job", job, "-o"], env=env, capture_output=True,
+                               text=True).stdout
+        if any(f"JobState={s}" in state for s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")):
+            break
+        time.sleep(0.3)
     job_out = "\n".join(p.read_text() for p in folder.glob("job-*.out"))
-    assert submit.returncode == 0, submit.stdout + submit.stderr + job_out
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state + job_out
     [result_file] = results.glob("hello-*.json")
     result = json.loads(result_file.read_text())
     assert result["metrics"]["all_reduce_sum"] == 10.0
