@@ -37,11 +37,12 @@ def fresh_dir(name: str) -> str:
 def precheck(impl, recipe: checkpointing.Recipe | None = None, stop_after: int = 3, ckpt_every: int = 2) -> dict:
     """The students' code at world size 1 in this process: an uninterrupted reference run, then the run with
     checkpoints, stopped after step ``stop_after``, then a fresh start resumed from its last checkpoint (by default
-    6 steps, stopped after step 3, resumed from step 2's checkpoint, across the epoch boundary after step 3).
+    6 steps of a one-block GPT, stopped after step 3, resumed from step 2's checkpoint, across the epoch boundary
+    after step 3).
     Returns the log as the run script returns it (for ``check_resumed``). This process's RNG states are kept."""
     import numpy as np
 
-    recipe = recipe or checkpointing.Recipe(steps=6, parallel="fsdp2")
+    recipe = recipe or checkpointing.Recipe(steps=6, n_layer=1, parallel="fsdp2")
     saved_rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
     owned = not dist.is_initialized()
     if owned:
