@@ -230,7 +230,7 @@ def train_step(model, optimizer, scheduler, sampler: ResumableSampler, token_ids
     loss.backward()
     optimizer.step()
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()                        # (set_to_none=True is the default)
     loss = loss.detach().float()
     if dist.is_initialized():
         dist.all_reduce(loss)
