@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = launch.load_step(args.step)
         config = cfg.from_argv(module.Config, step_argv)     # a typo fails here, on the node, before torchrun
         launch._refuse_unwritten_exercises(config)
-    except (ValueError, TypeError, cfg.ConfigError, launch.RunError, NotImplementedError) as e:
+    except (ValueError, TypeError, OSError, cfg.ConfigError, launch.RunError, NotImplementedError) as e:
         print(f"[multinode] {e}", file=sys.stderr)
         return 2
     out = args.out or str(Path("results") / f"{args.step}-{args.rdzv_id}.json")

@@ -101,6 +101,10 @@ def test_the_node_command_checks_its_arguments_before_starting_anything():
     unknown = subprocess.run(run + ["no_such_step", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
                                     "h:1"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert unknown.returncode == 2 and "unknown step 'no_such_step'" in unknown.stderr
+    no_module = subprocess.run(run + ["fault_tolerance", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
+                                      "h:1", "--", "--impl", "nowhere/ft_impl.py", "--ckpt_dir", "ckpt"],
+                               capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert no_module.returncode == 2 and "exercise module nowhere/ft_impl.py does not exist" in no_module.stderr
 
 
 def test_run_nodes_refuses_a_leave_the_job_cannot_survive():
