@@ -21,8 +21,12 @@ few seconds because the agents here send a heartbeat every second and call a nod
 ``join=(agent, marker)`` starts that agent only when a rank prints ``marker``: a node that joins a running job,
 whose agents then restart their workers in a larger one.
 
-Agent 0 is started first and hosts the rendezvous store (a TCPStore on the endpoint's port), so agent 0 cannot
-be the one that leaves: on a cluster, the node named in ``--rdzv-endpoint`` leaving ends the whole job.
+Agent 0 hosts the rendezvous store (a TCPStore on the endpoint's port; ``is_host=true``, the others
+``is_host=false``), so agent 0 cannot be the one that leaves: on a cluster, the node named in ``--rdzv-endpoint``
+leaving ends the whole job. All agents start at once and import torch side by side, the others waiting for agent
+0's store: had they been started only once the store was up, a node slower to start than the round's last call
+(3 s) would have begun the job without it (and then joined it, with a restart). Agent 0 is started first: the
+rendezvous numbers nodes by process id, so it is node 0 and holds rank 0.
 
 Every agent started here (and by ``launchers/multinode``) runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. In
 torch 2.13 the agents otherwise share one TCPStore for every rendezvous round, and the rank-0 agent publishes the
@@ -163,11 +167,13 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
     out = run_dir / "result.json"
     port = free_port()
     threads = launch.default_threads_per_rank(nodes * nproc_per_node)
-    command = torchrun_command(step, cfg.to_argv(config), nnodes=f"{min_nodes}:{nodes}",
-                               nproc_per_node=nproc_per_node, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=run_id,
-                               out=str(out), max_restarts=max_restarts, rdzv_conf=RDZV_CONF)
+    commands = [torchrun_command(step, cfg.to_argv(config), nnodes=f"{min_nodes}:{nodes}",
+                                 nproc_per_node=nproc_per_node, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=run_id,
+                                 out=str(out), max_restarts=max_restarts,
+                                 rdzv_conf={**RDZV_CONF, "is_host": "true" if i == 0 else "false"})
+                for i in range(nodes)]
     lines: queue.Queue = queue.Queue()
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | None] = [None] * nodes
     markers = [f"{run_id}-node{i}" for i in range(nodes)]
     outputs: list[list[str]] = [[] for _ in range(nodes)]
     left_s = None
@@ -182,7 +188,7 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
     def start(i: int) -> subprocess.Popen:
         with open(run_dir / (processes.TORCHRUN_LOG if i == 0 else f"torchrun-node{i}.txt"), "w") as log:
             proc = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                commands[i], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, bufsize=1,
                 start_new_session=True,
                 env=launch._rank_environment(markers[i], run_dir, timeout_s, threads, {**AGENT_ENV, **(env or {})}))
         threading.Thread(target=reader, args=(i, proc.stdout), daemon=True).start()
@@ -190,12 +196,10 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
 
     joined_s = None
     try:
-        procs.append(start(0))
-        # agent 0 hosts the store: the others are started once its port is open
-        while launch.port_is_free(port) and procs[0].poll() is None and time.monotonic() < t0 + 60:
-            time.sleep(0.05)
-        for i in range(1, nodes):
-            procs.append(None if join is not None and i == join[0] else start(i))
+        # all at once, agent 0 first (the lowest process id: node 0); the others wait for its store
+        for i in range(nodes):
+            if join is None or i != join[0]:
+                procs[i] = start(i)
         open_streams = sum(p is not None for p in procs)
         while open_streams:
             if time.monotonic() > deadline:
