@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lablib import data, models
+from lablib import data, distenv, models
 
 LOG_FILE = "log.jsonl"
 MARKER = "checkpoint saved at step"   # rank 0 prints "checkpoint saved at step N" after each complete save
@@ -337,7 +337,7 @@ def train(impl, recipe: Recipe, env, folder, *, ckpt_every: int, faults: tuple[s
     ``attempt``: torchrun's restart count by default (a run inside one process numbers its attempts itself);
     ``announce``: rank 0 prints "checkpoint saved at step N" after each save (what a supervisor can watch for)."""
     if attempt is None:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        attempt = distenv.restart_attempt()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     log = RunLog(folder, env.rank)

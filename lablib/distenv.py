@@ -111,6 +111,12 @@ def gloo_gaps(device: torch.device, world_size: int) -> list[str]:
     return gaps
 
 
+def restart_attempt() -> int:
+    """Which attempt of the worker group this is: 0 on the first start, then 1, 2, ... after each restart by
+    ``torchrun --max-restarts`` (``TORCHELASTIC_RESTART_COUNT``; 0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def attempt_store(timeout: datetime.timedelta) -> dist.Store:
     """torchrun's rendezvous store, with a key namespace of its own for this attempt of the worker group.
 
@@ -121,7 +127,7 @@ def attempt_store(timeout: datetime.timedelta) -> dist.Store:
     keys apart; the first attempt is unchanged in every other way.
     """
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"attempt{restart_attempt()}", store)
 
 
 @contextlib.contextmanager

@@ -15,10 +15,9 @@ position is global). Everything is logged in ``ckpt_dir``; the last attempt retu
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
-from lablib import checkpointing, script
+from lablib import checkpointing, distenv, script
 from lablib.exercise import load_module, require_file
 
 
@@ -58,7 +57,7 @@ def run(env, config: Config) -> dict:
     checkpointing.train(impl, recipe, env, config.ckpt_dir, ckpt_every=config.ckpt_every, faults=config.faults,
                         resume_from=config.resume_from, reference=config.reference, save_wait_s=config.save_wait_s)
     log = checkpointing.RunLog(config.ckpt_dir, env.rank).read()
-    return {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    return {"attempt": distenv.restart_attempt(),
             "reference": [r for r in log if r["kind"] == "reference"],
             "steps": [r for r in log if r["kind"] == "step"],
             "attempts": [r for r in log if r["kind"] == "attempt"],

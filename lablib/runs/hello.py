@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lablib import processes, script
+from lablib import distenv, processes, script
 from lablib.rankcheck import gather_objects
 
 
@@ -46,7 +46,7 @@ class Config:
 
 
 def run(env, config: Config) -> dict:
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = distenv.restart_attempt()
     if env.rank == config.fail_rank and (config.fail_attempts == 0 or attempt < config.fail_attempts):
         raise RuntimeError(f"rank {env.rank} failed on purpose (fail_rank={config.fail_rank}) "
                            f"on attempt {attempt}")
