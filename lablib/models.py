@@ -125,19 +125,29 @@ class GPT(nn.Module):
         return logits, loss
 
 
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+
+
 class MLP(nn.Module):
-    """d_in -> [d_hidden] * n_hidden -> d_out with ReLU; optional BatchNorm after each hidden layer."""
+    """d_in -> [d_hidden] * n_hidden -> d_out with ReLU (or GELU); optional BatchNorm after each hidden layer.
+
+    GELU's derivative is continuous, ReLU's jumps at 0: two runs that differ only by rounding can put one
+    sample's pre-activation on opposite sides of 0 under ReLU, and their gradients then differ by that
+    sample's whole contribution, not by rounding (lab 01 compares DDP with one process for this reason on GELU).
+    """
 
     def __init__(self, d_in: int = 32, d_hidden: int = 64, d_out: int = 1, n_hidden: int = 2,
-                 batchnorm: bool = False):
+                 batchnorm: bool = False, activation: str = "relu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not one of {sorted(ACTIVATIONS)}")
         layers: list[nn.Module] = []
         width = d_in
         for _ in range(n_hidden):
             layers.append(nn.Linear(width, d_hidden))
             if batchnorm:
                 layers.append(nn.BatchNorm1d(d_hidden))
-            layers.append(nn.ReLU())
+            layers.append(ACTIVATIONS[activation]())
             width = d_hidden
         layers.append(nn.Linear(width, d_out))
         self.net = nn.Sequential(*layers)

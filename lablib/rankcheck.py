@@ -62,3 +62,30 @@ def weight_spread(model: torch.nn.Module, env) -> float:
 def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     """Largest |weight of a - weight of b| over all parameters (two models of the same architecture)."""
     return max((p.detach() - q.detach()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24   # u: a float32 addition or product rounds with relative error at most u
+
+
+def sgd_rounding_bound(steps: int, lr: float, longest_sum: int, max_grad: float, max_weight: float,
+                       unit_roundoff: float = FP32_UNIT_ROUNDOFF) -> float:
+    """How far two SGD runs of the same model, data and initial weights can end apart when they differ only in
+    the order of their floating-point sums (DDP's per-rank partial sums against one process's single sum).
+
+    Per step, two sources, added over the steps:
+    - the gradient: each element is a sum of at most ``longest_sum`` rounded terms of size at most about
+      ``max_grad``; computed in two orders, the two sums differ by at most gamma_n * max_grad, with
+      gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1); the
+      update multiplies that by ``lr``;
+    - the update w - lr g is rounded to float32 in each run: at most u |w| each, so 2 u max|w| between them.
+    The bound adds the steps' contributions without amplifying them. That holds when the gradient is a smooth
+    (Lipschitz) function of the weights and lr times the curvature is small: an early difference is then
+    carried, not multiplied. It does not hold across a kink such as ReLU's at 0, where a rounding-sized
+    difference can switch one sample's pre-activation to the other side and change the gradient by that
+    sample's whole contribution.
+    """
+    n_u = longest_sum * unit_roundoff
+    if n_u >= 1:
+        raise ValueError(f"longest_sum={longest_sum} is too long for unit roundoff {unit_roundoff}: n u >= 1")
+    gamma = n_u / (1 - n_u)
+    return steps * (lr * gamma * max_grad + 2 * unit_roundoff * max_weight)

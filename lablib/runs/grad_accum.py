@@ -9,7 +9,9 @@ MLP on a synthetic regression task twice, from the same initial weights and data
   backward all-reduces. Same math, K times the communication.
 Each variant's all-reduces are counted with a DDP communication hook and its steps timed.
 Rank 0 also trains a plain single-process copy on each whole global batch (world_size * K micro-batches
-in one backward) - the reference the accumulated DDP weights must equal. With ``--last-micro-batch-size``
+in one backward) - the reference the accumulated DDP weights must equal, to within the rounding bound of
+``rankcheck.sgd_rounding_bound`` (the MLP uses GELU: with ReLU's kink a rounding-sized difference can flip one
+sample's activation and part the two runs by far more than rounding, as it did from step 8 at lr 0.05). With ``--last-micro-batch-size``
 each rank's last micro-batch is smaller than the others (the end of an epoch), so the micro-batch losses
 must be weighted by their share of the samples, not by 1/K.
 """
@@ -27,8 +29,8 @@ from lablib import config as cfg
 from lablib import data, script, timing
 from lablib.counting import count_ddp
 from lablib.exercise import load_module, require_file
-from lablib.models import MLP
-from lablib.rankcheck import max_abs_diff, weight_spread
+from lablib.models import ACTIVATIONS, MLP
+from lablib.rankcheck import max_abs_diff, sgd_rounding_bound, weight_spread
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Config:
     d_hidden: int = 1024
     n_hidden: int = 2
     lr: float = 0.05
+    activation: str = "gelu"        # smooth, so DDP and one process stay within rounding (see models.MLP)
     # MiB per DDP bucket, the first bucket included. DDP's default (bucket_cap_mb=None) is different: the
     # first bucket is capped at 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES), the others at 25 MiB.
     bucket_cap_mb: float = 25.0
@@ -54,6 +57,8 @@ class Config:
                              f"as micro_batch_size={self.micro_batch_size})")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive (MiB per bucket, e.g. 25)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} must be one of {sorted(ACTIVATIONS)}")
         require_file(self.impl)
 
 
@@ -80,7 +85,7 @@ def rank_micro_batches(x, y, config: Config, rank: int) -> list[tuple[torch.Tens
 
 def new_model(config: Config, device) -> torch.nn.Module:
     torch.manual_seed(config.seed)  # identical initial weights on every rank and for the reference
-    return MLP(config.d_in, config.d_hidden, 1, config.n_hidden).to(device)
+    return MLP(config.d_in, config.d_hidden, 1, config.n_hidden, activation=config.activation).to(device)
 
 
 def train_variant(env, config: Config, step_fn, disable_no_sync: bool) -> tuple[dict, torch.nn.Module]:
@@ -109,16 +114,19 @@ def train_variant(env, config: Config, step_fn, disable_no_sync: bool) -> tuple[
     }, model.module
 
 
-def reference_weights(config: Config, world_size: int, device) -> torch.nn.Module:
-    """Plain single-process training on each whole global batch: one forward, one backward, one step."""
+def reference_weights(config: Config, world_size: int, device) -> tuple[torch.nn.Module, float]:
+    """Plain single-process training on each whole global batch: one forward, one backward, one step.
+    Returns the model and the largest |gradient element| seen over the steps (the rounding bound's scale)."""
     model = new_model(config, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    max_grad = 0.0
     for step in range(config.steps):
         x, y = global_batch(config, step, world_size)
         optimizer.zero_grad()
         F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        max_grad = max(max_grad, *(p.grad.abs().max().item() for p in model.parameters()))
         optimizer.step()
-    return model
+    return model, max_grad
 
 
 def run(env, config: Config) -> dict:
@@ -129,15 +137,21 @@ def run(env, config: Config) -> dict:
         metrics["weight_spread_across_ranks"] = weight_spread(model, env)
         result[name] = metrics
     if env.is_main:
-        reference = reference_weights(config, env.world_size, env.device)
+        reference, max_grad = reference_weights(config, env.world_size, env.device)
         result["max_abs_diff_vs_single_process"] = max_abs_diff(model, reference)
         result["max_abs_weight"] = max(p.abs().max().item() for p in reference.parameters())
+        result["max_abs_grad"] = max_grad
+        # The longest float32 sum behind one gradient element: the global batch's samples (the batch reduction
+        # of the weight gradient) plus a hidden layer's width (the dot products of the backward).
+        result["longest_sum"] = env.world_size * sum(micro_batch_sizes(config)) + config.d_hidden
+        result["rounding_bound"] = sgd_rounding_bound(config.steps, config.lr, result["longest_sum"], max_grad,
+                                                      result["max_abs_weight"])
         result["n_params"] = sum(p.numel() for p in reference.parameters())
         t_every, t_no = result["sync_every"]["median_step_s"], result["no_sync"]["median_step_s"]
         print(f"all-reduces per step: sync_every={result['sync_every']['allreduce_calls_per_step'][-1]}, "
               f"no_sync={result['no_sync']['allreduce_calls_per_step'][-1]}; median step "
               f"{t_every * 1e3:.1f} ms -> {t_no * 1e3:.1f} ms; max |w_ddp - w_single| = "
-              f"{result['max_abs_diff_vs_single_process']:.2e}")
+              f"{result['max_abs_diff_vs_single_process']:.2e} (rounding bound {result['rounding_bound']:.2e})")
     return result
 
 
