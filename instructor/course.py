@@ -96,6 +96,7 @@ def execute(lab: str, student_version: bool = False, out_root: Path = REPO / "ex
                             allow_errors=student_version, resources={"metadata": {"path": str(dst)}})
     t0 = time.perf_counter()
     os.environ["LABLIB_HEADLESS"] = "1"  # the kernel inherits it: widgets draw once, statically
+    os.environ.pop("NBGRADER_EXECUTION", None)  # the sizes a student runs, never nbgrader's (inherited from a shell)
     try:
         client.execute()
     finally:

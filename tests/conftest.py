@@ -39,6 +39,16 @@ def autograded_solutions():
     return AUTOGRADED_SOLUTIONS
 
 
+# lab -> the solution notebook executed top to bottom at the sizes a student runs (NBGRADER_EXECUTION unset), with
+# its outputs: tests/test_labs.py::test_wrong_answers_lose_points records it, tests/test_book.py builds the book from it.
+INTERACTIVE_SOLUTIONS: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def interactive_solutions():
+    return INTERACTIVE_SOLUTIONS
+
+
 def pytest_runtest_logreport(report):
     match = LAB_ID.search(report.nodeid)
     if match:

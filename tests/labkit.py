@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,9 @@ def correct_variants(lab: str) -> dict[str, list[tuple[str, str]]]:
     return getattr(_answers_module(lab), "CORRECT_VARIANTS", {})
 
 
+GRADING_READ = re.compile(r"^GRADING\s*=.*NBGRADER_EXECUTION", re.M)
+
+
 def cell_errors(cell) -> list[str]:
     return [f"{o.get('ename')}: {o.get('evalue')}" for o in cell.get("outputs", []) if o.output_type == "error"]
 
@@ -75,8 +79,21 @@ class WrongAnswerResult:
     points_possible: float
 
 
+class LabRaised(AssertionError):
+    """A cell of the solution raised while the notebook ran top to bottom: which cell, and its error."""
+
+
+GRADING_SWITCH = 'import os\nos.environ["NBGRADER_EXECUTION"] = "autograde"'
+
+
 class LiveLab:
-    """The solution notebook executed in a kernel that stays up, to re-run single cells afterwards."""
+    """The solution notebook executed in a kernel that stays up, to re-run single cells afterwards.
+
+    ``run_all`` executes it top to bottom at the sizes a student runs (NBGRADER_EXECUTION unset), stopping at the
+    first cell that raises; ``use_grading_sizes`` then sets NBGRADER_EXECUTION in the kernel and re-runs the cells
+    that read it into GRADING, so the checks re-run afterwards (wrong answers, correct variants) run at the sizes
+    nbgrader grades with. One execution serves both: the student's sizes once, the grading sizes for each check.
+    """
 
     def __init__(self, lab: str, workdir: Path, cell_timeout_s: float = 600):
         self.lab = lab
@@ -88,8 +105,8 @@ class LiveLab:
                                      resources={"metadata": {"path": str(workdir)}})
 
     def __enter__(self):
-        self._ctx = self.client.setup_kernel(env={**os.environ, "NBGRADER_EXECUTION": "autograde",
-                                                             "LABLIB_HEADLESS": "1"})
+        env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}
+        self._ctx = self.client.setup_kernel(env={**env, "LABLIB_HEADLESS": "1"})
         self._ctx.__enter__()
         return self
 
@@ -103,15 +120,30 @@ class LiveLab:
         cell.outputs = []
         return self.client.execute_cell(cell, index)
 
-    def run_all(self) -> dict[int, list[str]]:
-        """Execute every code cell in order; return {cell index: errors} for the cells that raised."""
-        errors = {}
+    def run_all(self) -> nbformat.NotebookNode:
+        """Execute every code cell in order and return the executed notebook (outputs included); raise
+        ``LabRaised`` at the first cell with an error output, naming the cell and its error."""
+        executed = copy.deepcopy(self.nb)
         for i, cell in enumerate(self.nb.cells):
             if cell.cell_type == "code":
                 done = self.run_cell(i)
+                executed.cells[i] = done
                 if cell_errors(done):
-                    errors[i] = cell_errors(done)
-        return errors
+                    head = "\n".join(cell.source.splitlines()[:3])
+                    raise LabRaised(f"{self.lab}: code cell {i} raised at the sizes a student runs "
+                                    f"(NBGRADER_EXECUTION unset): {cell_errors(done)}\n--- the cell begins:\n{head}")
+        return executed
+
+    def use_grading_sizes(self) -> None:
+        """Switch the live kernel to nbgrader's sizes: NBGRADER_EXECUTION set, the cells that read it re-run."""
+        errors = cell_errors(self.client.execute_cell(nbformat.v4.new_code_cell(GRADING_SWITCH), 0))
+        readers = [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code" and GRADING_READ.search(c.source)]
+        if errors or not readers:
+            raise LabRaised(f"{self.lab}: cannot switch to grading sizes ({errors or 'no cell sets GRADING'})")
+        for i in readers:
+            errors = cell_errors(self.run_cell(i))
+            if errors:
+                raise LabRaised(f"{self.lab}: code cell {i}, re-run at grading sizes, raised: {errors}")
 
     def try_wrong_answer(self, exercise: str, description: str, source: str,
                          stop_at_first_failure: bool = True) -> WrongAnswerResult:

@@ -4,6 +4,7 @@
 - labs/ contains no solution code and no hidden-test text;
 - every exercise has test cells and at least one plausible wrong answer (tests/wrong_answers/);
 - the solution autogrades to full marks and the unmodified release to zero, with nbgrader, in time;
+- the solution runs top to bottom without an error at the sizes a student runs (NBGRADER_EXECUTION unset);
 - each wrong answer fails at least one of its exercise's tests (run in a live kernel, not a whole re-execution).
 """
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import nbformat
 import pytest
 
 import labkit
@@ -120,13 +122,20 @@ def test_solution_full_marks_and_release_zero(lab, tmp_path, lab_times, autograd
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lab", LABS)
-def test_wrong_answers_lose_points(lab, tmp_path, lab_times):
+def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutions):
+    """The solution runs top to bottom at the sizes a student runs (the first error fails the test at once, with
+    its cell); the same kernel then switches to nbgrader's sizes, and every wrong answer must lose points there
+    and every correct variant keep them. The executed notebook is the book's page of the lab."""
     t0 = time.perf_counter()
     wrong = labkit.wrong_answers(lab)
     report, missed, punished = [], [], []
     with labkit.LiveLab(lab, tmp_path / lab) as live:
-        errors = live.run_all()
-        assert not errors, f"the solution notebook raised errors: {errors}"
+        executed = live.run_all()
+        lab_times.setdefault(lab, {})["interactive run"] = time.perf_counter() - t0
+        interactive_solutions[lab] = tmp_path / lab / f"{lab}.ipynb"
+        nbformat.write(executed, interactive_solutions[lab])
+        t1 = time.perf_counter()
+        live.use_grading_sizes()
         for exercise, answers in wrong.items():
             for description, source in answers:
                 r = live.try_wrong_answer(exercise, description, source)
@@ -140,7 +149,7 @@ def test_wrong_answers_lose_points(lab, tmp_path, lab_times):
                 report.append(f"{exercise}: correct variant '{description}' lost {r.points_lost:g}/{r.points_possible:g}")
                 if r.points_lost:
                     punished.append(f"{report[-1]} ({r.failed_tests})")
-    lab_times.setdefault(lab, {})["wrong-answer checks"] = time.perf_counter() - t0
+    lab_times[lab]["wrong-answer checks"] = time.perf_counter() - t1
     print("\n".join(report))
     assert not missed, "wrong answers that lose no points:\n" + "\n".join(missed)
     assert not punished, "correct answers that lose points:\n" + "\n".join(punished)
