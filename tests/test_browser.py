@@ -2,9 +2,14 @@
 against the JupyterLab that launchers/lab starts, with the widgets on, as a student and an instructor see it.
 
 launchers/lab runs in a copy of the repository's course files (same launcher, same .venv), so the cells the
-browser runs write their files there, never into labs/ or solutions/. One lab runs in the browser per test
-run (LABS_BROWSER_LAB, default 01). Screenshots go to test-artifacts/browser/.
+browser runs write their files there, never into labs/ or solutions/. Screenshots go to test-artifacts/browser/.
 A missing Chromium fails these tests (it does not skip them): .ci/run installs it.
+
+Which labs' solutions run in the browser (each takes 1.5-3 min, too much for all eleven in every CI run):
+- by default one lab, rotating: the git commit of HEAD (as a hexadecimal number) modulo the number of labs, so
+  every commit runs a lab, the same lab each time for that commit, and the labs take turns over the commits;
+- LABS_BROWSER_LAB=03 (or 3, 03_amdahl_scaling, or a list 00,03) runs those; LABS_BROWSER_LAB=all runs them all.
+The test prints which lab runs and why.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import subprocess
 import time
 import uuid
 from contextlib import contextmanager
+from datetime import date
 from pathlib import Path
 
 import nbformat
@@ -29,7 +35,6 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from test_jupyter import free_port, get
 
 CHROMIUM = Path(os.environ.get("LABS_CHROMIUM", "/usr/bin/chromium"))
-BROWSER_LAB = find_lab(os.environ.get("LABS_BROWSER_LAB", "01"))
 SHOTS = labkit.REPO / "test-artifacts" / "browser"
 COURSE_FILES = ("labs", "solutions", "launchers", "instructor", "requirements.txt", "pyproject.toml", "nbgrader_config.py")
 # JupyterLab settings for the test: every cell in the page (no virtual scrolling), no news pop-ups.
@@ -38,6 +43,35 @@ SETTINGS = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"wind
                                                                                "checkForUpdates": False}}
 RUN_LIMIT_S = 600
 STDERR = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+# A kernel idle this long with no cell running or queued while cells are left unrun: the run has stopped.
+STOPPED_S = 5
+# The ipywidgets controls the labs create (`widgets.<Kind>(`), by how the test drives them; a lab with another
+# kind fails the test until it is added here with a way to drive it. Containers and layouts are no controls.
+SLIDER, DROPDOWN, TOGGLE = "slider", "dropdown", "toggle buttons"
+CONTROLS = {**dict.fromkeys(("IntSlider", "FloatSlider", "FloatLogSlider", "SelectionSlider"), SLIDER),
+            "Dropdown": DROPDOWN, "ToggleButtons": TOGGLE}
+NOT_CONTROLS = {"Layout", "HBox", "VBox", "Box", "GridBox", "Output", "Label", "HTML", "Tab", "Accordion"}
+
+
+def browser_labs() -> tuple[list[str], str]:
+    """The labs whose solutions run in the browser in this test run, and why (see the module's docstring)."""
+    labs = labkit.labs()
+    chosen = os.environ.get("LABS_BROWSER_LAB", "").strip()
+    if chosen == "all":
+        return labs, "LABS_BROWSER_LAB=all"
+    if chosen:
+        return [find_lab(name.strip()) for name in chosen.split(",")], f"LABS_BROWSER_LAB={chosen}"
+    head = subprocess.run(["git", "-c", f"safe.directory={labkit.REPO}", "rev-parse", "HEAD"], cwd=labkit.REPO,
+                          capture_output=True, text=True).stdout.strip()
+    if re.fullmatch(r"[0-9a-f]{40,64}", head):
+        turn, why = int(head, 16) % len(labs), f"commit {head[:12]}"
+    else:   # no git history (an unpacked archive): the day takes turns instead
+        turn, why = date.today().toordinal() % len(labs), f"no git commit, so today's date ({date.today()})"
+    return [labs[turn]], (f"rotation: {why} modulo {len(labs)} labs = {turn} "
+                          f"(LABS_BROWSER_LAB=NN or =all chooses)")
+
+
+BROWSER_LABS, BROWSER_WHY = browser_labs()
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +95,16 @@ def course(tmp_path_factory) -> Path:
 @contextmanager
 def jupyterlab(course: Path, *args: str):
     """launchers/lab [args] in the course copy; yields (base URL, token). Widgets are on, as for a student.
-    Its log goes to a file beside the copy; on exit it and every kernel and torchrun it started are ended."""
+    The page exposes JupyterLab's app object (window.jupyterapp) so the test can read the cells' outputs as the
+    kernel sent them. Its log goes to a file beside the copy; on exit it and every kernel and torchrun it
+    started are ended."""
     port, token, marker = free_port(), os.urandom(16).hex(), uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in ("LABLIB_HEADLESS", "NBGRADER_EXECUTION")}
     env.update({RUN_MARKER: marker}, JUPYTERLAB_SETTINGS_DIR=str(course.parent / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(course.parent / "workspaces"))
     log = course.parent / f"jupyterlab-{port}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(["bash", str(course / "launchers" / "lab"), *args, "--no-browser", f"--port={port}",
+        proc = subprocess.Popen(["bash", str(course / "launchers" / "lab"), *args, "--no-browser", f"--port={port}", "--LabApp.expose_app_in_browser=True",
                                  "--ip=127.0.0.1", f"--IdentityProvider.token={token}"], env=env, cwd=course,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -120,20 +156,71 @@ def open_notebook(page):
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
 
 
-def prompts(page) -> list[str]:
-    return page.locator(".jp-NotebookPanel:visible .jp-CodeCell .jp-InputPrompt").all_inner_texts()
+# The notebook's code cells as JupyterLab's model holds them (what Ctrl+S would save): execution count, whether
+# running or queued, and the error outputs (output_type 'error': an exception, never a warning printed on
+# stderr nor the traceback of a torchrun worker that a cell prints on purpose), with the kernel's status.
+RUN_STATE_JS = """path => {
+  const panel = [...window.jupyterapp.shell.widgets('main')].find(w => w.context && w.context.path === path);
+  if (!panel || !panel.sessionContext) return null;
+  const cells = [];
+  panel.content.widgets.forEach((cell, index) => {
+    const model = cell.model;
+    if (model.type !== 'code') return;
+    const errors = [];
+    for (let i = 0; i < model.outputs.length; i++) {
+      const output = model.outputs.get(i);
+      if (output.type === 'error') errors.push(output.toJSON());
+    }
+    cells.push({index, count: model.executionCount, running: model.executionState === 'running', errors});
+  });
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  return {kernel: kernel ? kernel.status : 'none', cells};
+}"""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def wait_for_cells(page, count: int, limit_s: float) -> None:
-    """Until the first `count` code cells have run (a number in their prompt) and the kernel is idle."""
-    deadline = time.monotonic() + limit_s
+def run_state(page, path: str) -> dict:
+    state = page.evaluate(RUN_STATE_JS, path)
+    assert state is not None, f"no notebook {path} open in the page (or window.jupyterapp missing)"
+    return state
+
+
+def error_report(state: dict, lines: int = 25) -> str:
+    """Each cell that raised: its cell number, the exception and the end of its traceback (as the kernel sent it)."""
+    reports = []
+    for code_number, cell in enumerate(state["cells"], 1):
+        for error in cell["errors"]:
+            traceback = ANSI.sub("", "\n".join(error.get("traceback", []))).strip().splitlines()
+            reports.append(f"cell {cell['index']} (code cell {code_number}, In [{cell['count']}]) raised "
+                           f"{error.get('ename')}: {error.get('evalue')}\n" + "\n".join(traceback[-lines:]))
+    return "\n\n".join(reports)
+
+
+def wait_for_cells(page, path: str, count: int, limit_s: float, errors_fail: bool = True) -> float:
+    """Until the first `count` code cells of notebook `path` have run and the kernel is idle; the seconds it took.
+    Fails at once, naming the cell and its error, when a cell raised (unless errors_fail is False: a student's
+    unwritten exercise), and after STOPPED_S s when the kernel is idle or dead with none of the cells left
+    running or queued (Run All stops at an error; a kernel that died stops everything)."""
+    t0 = time.monotonic()
+    stopped_since = None
     while True:
-        done = prompts(page)[:count]
-        if len(done) == count and all(re.search(r"\[\d+\]", p) for p in done) and \
-                page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count():
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"cells still running after {limit_s:.0f} s: prompts {done}")
+        state = run_state(page, path)
+        cells = state["cells"][:count]
+        if errors_fail and any(cell["errors"] for cell in cells):
+            failed = next(cell["index"] for cell in cells if cell["errors"])
+            page.locator(".jp-NotebookPanel .jp-Cell").nth(failed).scroll_into_view_if_needed()
+            pytest.fail(f"{path}: a cell raised after {time.monotonic() - t0:.0f} s of waiting:\n{error_report(state)}")
+        unrun = [cell["index"] for cell in cells if cell["count"] is None]
+        busy = state["kernel"] not in ("idle", "dead") or any(cell["running"] for cell in state["cells"])
+        if not busy and len(cells) == count and not unrun:
+            return time.monotonic() - t0
+        stopped_since = None if busy else stopped_since or time.monotonic()
+        if stopped_since and time.monotonic() - stopped_since > STOPPED_S:
+            pytest.fail(f"{path}: the run stopped (kernel {state['kernel']}, nothing running or queued) with cells "
+                        f"{unrun} of {len(state['cells'])} code cells never run"
+                        + (f"; errors:\n{error_report(state)}" if any(c["errors"] for c in cells) else ""))
+        if time.monotonic() - t0 > limit_s:
+            pytest.fail(f"{path}: cells still running after {limit_s:.0f} s; not yet run: {unrun}")
         time.sleep(1)
 
 
@@ -166,7 +253,8 @@ def student_check(course, browser) -> str:
         for _ in range(check + 1):
             page.keyboard.press("Shift+Enter")
             time.sleep(0.3)
-        wait_for_cells(page, sum(1 for c in released.cells[:check + 1] if c.cell_type == "code"), 300)
+        wait_for_cells(page, f"{lab}/{lab}.ipynb", sum(1 for c in released.cells[:check + 1] if c.cell_type == "code"),
+                       300, errors_fail=False)
         cell = page.locator(".jp-NotebookPanel .jp-Cell").nth(check)
         cell.scroll_into_view_if_needed()
         shoot(page, "student_lab01_stub")
@@ -193,21 +281,62 @@ def test_student_sees_the_course_message_not_a_traceback_wall(student_check):
     assert len(student_check.splitlines()) <= 15, f"a traceback wall of {len(student_check.splitlines())} lines"
 
 
+def controls_of(lab: str) -> set[str]:
+    """How the test drives each ipywidgets control that lab's solution creates (SLIDER, DROPDOWN, TOGGLE)."""
+    source = "\n".join(c.source for c in labkit.read(lab).cells if c.cell_type == "code")
+    kinds = set(re.findall(r"\bwidgets\.([A-Z]\w*)\(", source)) - NOT_CONTROLS
+    unknown = kinds - CONTROLS.keys()
+    assert not unknown, f"{lab} creates ipywidgets {sorted(unknown)}, which this test cannot drive yet: add them to CONTROLS"
+    return {CONTROLS[kind] for kind in kinds}
+
+
+def move(page, kind: str):
+    """Change one control of that kind in an interact; the control and the action that changes it."""
+    controls = page.locator(".jp-NotebookPanel .widget-interact")
+    if kind == SLIDER:
+        control = controls.locator(".widget-slider").first
+        handle = control.locator(".noUi-handle").first
+        now, top = handle.get_attribute("aria-valuenow"), handle.get_attribute("aria-valuemax")
+        key = "ArrowLeft" if now is not None and top is not None and float(now) >= float(top) else "ArrowRight"
+
+        def act():
+            handle.focus()
+            for _ in range(3):
+                page.keyboard.press(key)
+        return control, act
+    if kind == DROPDOWN:   # the first one with a choice to make
+        select = next((s for s in controls.locator(".widget-dropdown select").all() if s.locator("option").count() > 1), None)
+        assert select is not None, "no dropdown with two options or more in an interact"
+        current = select.evaluate("s => s.selectedIndex")
+        return select, lambda: select.select_option(index=1 if current == 0 else 0)
+    if kind == TOGGLE:
+        button = controls.locator(".widget-toggle-buttons button:not(.mod-active)").first
+        return button, button.click
+    raise AssertionError(f"no way to drive a {kind}")
+
+
 @pytest.mark.slow
-def test_solution_runs_in_the_browser_with_plots_and_a_live_slider(course, browser, instructor_lab):
-    """One lab's solution, top to bottom in JupyterLab: no error output, plots as images, a slider redraws."""
-    lab = BROWSER_LAB
-    t0 = time.perf_counter()
+@pytest.mark.parametrize("lab", BROWSER_LABS)
+def test_solution_runs_in_the_browser_with_plots_and_live_widgets(course, browser, instructor_lab, lab):
+    """A lab's solution, top to bottom in JupyterLab (Run All): no error output, plots as images, and each kind of
+    ipywidgets control it has (slider, dropdown, toggle buttons) redraws its figure when changed. A cell that
+    raises fails the test as soon as its error arrives, with the cell's number and traceback."""
+    print(f"browser lab {lab}: {BROWSER_WHY}")
+    path, t0 = f"{lab}/{lab}.ipynb", time.perf_counter()
     base, token = instructor_lab
-    with page_of(browser, base, token, f"/lab/tree/{lab}/{lab}.ipynb") as page:
+    with page_of(browser, base, token, f"/lab/tree/{path}") as page:
         open_notebook(page)
         page.locator(".jp-NotebookPanel .jp-Cell").first.click()
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
         code_cells = sum(1 for c in labkit.read(lab).cells if c.cell_type == "code")
-        wait_for_cells(page, code_cells, RUN_LIMIT_S)
-        seconds = time.perf_counter() - t0
-        print(f"{lab}'s solution ran in the browser in {seconds:.0f} s")
+        try:
+            wait_for_cells(page, path, code_cells, RUN_LIMIT_S)
+        except pytest.fail.Exception:
+            print(f"{lab}: the browser test failed after {time.perf_counter() - t0:.0f} s")
+            shoot(page, f"solution_{lab}_failed")
+            raise
+        print(f"{lab}'s solution ran in the browser in {time.perf_counter() - t0:.0f} s")
         page.keyboard.press("Control+s")
         time.sleep(2)
         shoot(page, f"solution_{lab}_end")
@@ -222,23 +351,34 @@ def test_solution_runs_in_the_browser_with_plots_and_a_live_slider(course, brows
                                ".filter(i => !(i.complete && i.naturalWidth > 0)).length")
         assert broken == 0, f"{broken} of {images.count()} plots did not load as images"
 
-        slider = page.locator(".jupyter-widgets.widget-slider").first
-        assert slider.count(), f"{lab}'s solution shows no slider in the browser (widgets off?)"
-        widget = slider.locator("xpath=ancestor::div[contains(@class,'widget-interact')][1]")
-        widget = widget if widget.count() else slider.locator("xpath=ancestor::div[contains(@class,'jp-OutputArea')][1]")
-        widget.scroll_into_view_if_needed()
-        figure = widget.locator("img").first
-        figure.wait_for()
-        before = figure.get_attribute("src")
-        shoot(page, f"solution_{lab}_slider_before", widget)
-        handle = slider.locator(".noUi-handle").first
-        handle.focus()
-        for _ in range(3):
-            page.keyboard.press("ArrowRight")
-        page.wait_for_function("([el, src]) => { const i = el.querySelector('img'); return i && i.src !== src; }",
-                               arg=[widget.element_handle(), before], timeout=60_000)
-        wait_for_cells(page, code_cells, 60)   # the kernel is idle again: the last redraw has arrived
-        shoot(page, f"solution_{lab}_slider_after", widget)
+        kinds = controls_of(lab)
+        if not kinds:
+            print(f"{lab} has no ipywidgets control: nothing to move")
+            assert not page.locator(".jp-NotebookPanel .widget-interact").count()
+            return
+        assert page.locator(".jp-NotebookPanel .widget-interact").count(), \
+            f"{lab}'s solution shows none of its widgets {sorted(kinds)} in the browser (widgets off?)"
+        for kind in sorted(kinds):
+            t1 = time.perf_counter()
+            control, act = move(page, kind)
+            widget = control.locator("xpath=ancestor::div[contains(@class,'widget-interact')][1]")
+            widget.scroll_into_view_if_needed()
+            figure = widget.locator("img").first
+            figure.wait_for()
+            before = figure.get_attribute("src")
+            name = kind.replace(" ", "_")
+            shoot(page, f"solution_{lab}_{name}_before", widget)
+            act()
+            try:
+                page.wait_for_function("([el, src]) => { const i = el.querySelector('img'); return i && i.src !== src; }",
+                                       arg=[widget.element_handle(), before], timeout=60_000)
+            except PlaywrightTimeout:
+                shoot(page, f"solution_{lab}_{name}_after", widget)
+                pytest.fail(f"{lab}: changing its {kind} did not redraw the figure within 60 s; "
+                            f"the widget shows {' '.join(widget.inner_text().split())[-500:]!r}")
+            wait_for_cells(page, path, code_cells, 60)   # the kernel is idle again: the last redraw has arrived
+            shoot(page, f"solution_{lab}_{name}_after", widget)
+            print(f"{lab}: its {kind} redrew the figure in {time.perf_counter() - t1:.1f} s")
 
 
 # Found on the first run: on a fresh clone grading/ did not exist, the gradebook could not be opened,
