@@ -5,13 +5,17 @@
 Sphinx with MyST-NB does the work (book/conf.py). This module stages the sources first, in lab order:
 each solution notebook gets a header (the machine its figures were measured on, measured by a hidden
 first cell in the kernel that executes it; how to open it in JupyterLab) and links where it names
-another lab; index.md lists the labs with their objectives and run times.
+another lab; its free-text answers are shown in labelled boxes, with nbgrader's markers gone (book/answers.py);
+index.md lists the labs with their objectives and run times.
+
+The book shows the labs at the sizes a student runs: the executing kernels never see NBGRADER_EXECUTION
+(it is removed from the environment they inherit, should the build be started from a grading shell).
 
 Executions are cached by MyST-NB in jupyter-cache, keyed by the notebook's code and lablib's sources: a
 rebuild after editing one lab re-executes only that lab (a markdown-only edit re-executes nothing; an edit of
 lablib re-executes every lab). An execution made
-elsewhere (the test suite's autograding of the solution) can be put into the cache with ``seed``, so
-that the build reuses it instead of executing the lab again.
+elsewhere (the test suite's execution of the solution at a student's sizes) can be put into the cache with
+``seed``, so that the build reuses it instead of executing the lab again.
 """
 
 from __future__ import annotations
@@ -24,17 +28,20 @@ import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-from instructor.course import REPO, SOLUTIONS, all_labs
+from book.answers import code_as_shown, free_text_answer, is_answer_cell
+from instructor.course import REPO, SOLUTIONS, all_labs, find_lab
 
 BOOK = Path(__file__).resolve().parent
 BUILD = BOOK / "_build"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-EXECUTED_BY_BOOK = "Executed headless by `launchers/book` (full sizes, widgets drawn once at their defaults)"
+EXECUTED_BY_BOOK = ("Executed headless by `launchers/book` at the sizes a student runs (no `NBGRADER_EXECUTION`; "
+                    "widgets drawn once at their defaults)")
 
 
 @dataclass(frozen=True)
@@ -103,12 +110,16 @@ def open_in_jupyterlab(lab: str) -> str:
 
 
 def staged_notebook(lab: str, labs: list[str]) -> nbformat.NotebookNode:
-    """The solution with the book's header cells, links between labs, and no outputs."""
+    """The solution with the book's header cells, links between labs, model answers in boxes, no outputs."""
     nb = nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "markdown":
+            # Links first: link_labs leaves fenced text alone, and the boxes are fenced.
             cell.source = link_labs(cell.source, labs, lab)
+            if is_answer_cell(cell):
+                cell.source = free_text_answer(cell.source)
         elif cell.cell_type == "code":
+            cell.source = code_as_shown(cell.source)
             cell.outputs, cell.execution_count = [], None
     title_cell = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown")
     machine = nbformat.v4.new_code_cell(machine_cell_source(), metadata={"tags": ["remove-input"]})
@@ -159,7 +170,7 @@ def stage(src: Path, labs: list[str]) -> list[LabInfo]:
 def seed(cache_dir: Path, lab: str, staged: Path, executed: Path, executed_by: str) -> None:
     """Put an execution of ``lab`` made elsewhere into the book's cache, as if the book had executed it.
 
-    ``executed`` holds the same code cells as the solution (an nbgrader-autograded copy of it, for example);
+    ``executed`` holds the same code cells as the solution (compared as the book shows them, markers as comments);
     its outputs go into the staged notebook cell by cell, and the hidden machine cell is answered here, in
     this process, on the machine that made the execution.
     """
@@ -171,8 +182,8 @@ def seed(cache_dir: Path, lab: str, staged: Path, executed: Path, executed_by: s
     nb = nbformat.read(staged, as_version=4)
     done = [c for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code"]
     code = [c for c in nb.cells if c.cell_type == "code"][1:]   # [0] is the machine cell
-    if [c.source for c in code] != [c.source for c in done]:
-        differ = [i for i, (a, b) in enumerate(zip(code, done)) if a.source != b.source]
+    if [c.source for c in code] != [code_as_shown(c.source) for c in done]:
+        differ = [i for i, (a, b) in enumerate(zip(code, done)) if a.source != code_as_shown(b.source)]
         raise ValueError(f"{executed} is not an execution of {lab}'s solution: {len(done)} code cells against "
                          f"{len(code)}, first different code cell: {differ[0] if differ else len(min(code, done, key=len))}")
     for cell, ran in zip(code, done):
@@ -186,6 +197,25 @@ def seed(cache_dir: Path, lab: str, staged: Path, executed: Path, executed_by: s
 
 
 # --- build ---------------------------------------------------------------------------------------------
+
+@contextmanager
+def kernel_environment(**changes: str | None):
+    """os.environ with ``changes`` (None: removed) while the kernels the build starts inherit it, then as before."""
+    saved = {name: os.environ.get(name) for name in changes}
+
+    def apply(values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    apply(changes)
+    try:
+        yield
+    finally:
+        apply(saved)
+
 
 @dataclass
 class BookBuild:
@@ -211,13 +241,15 @@ def build(out: Path = BUILD, labs: list[str] | None = None, seeds: dict[str, Pat
     for lab, executed in (seeds or {}).items():
         seed(cache, lab, src / f"{lab}.ipynb", executed, seeded_by)
     before = {r.pk for r in get_cache(str(cache)).list_cache_records()}
-    os.environ["LABLIB_HEADLESS"] = "1"   # the executing kernels inherit it: each widget becomes one figure
     overrides = {"nb_execution_cache_path": str(cache)}
     if not execute:
         overrides["nb_execution_excludepatterns"] = [f"{lab}.ipynb" for lab in labs if lab not in (seeds or {})]
     app = Sphinx(str(src), str(BOOK), str(out / "html"), str(out / "doctrees"), "html",
                  confoverrides=overrides, status=None if quiet else sys.stdout, keep_going=True)
-    app.build()
+    # The executing kernels inherit the environment: each widget becomes one figure (LABLIB_HEADLESS), and the
+    # labs run at a student's sizes, never nbgrader's reduced ones (NBGRADER_EXECUTION, from a grading shell).
+    with kernel_environment(LABLIB_HEADLESS="1", NBGRADER_EXECUTION=None):
+        app.build()
     if app.statuscode:
         raise SystemExit(f"the book's Sphinx build failed (exit {app.statuscode}); see the messages above")
     executed = {Path(r.uri).stem: r.data.get("execution_seconds", 0.0)
@@ -228,12 +260,13 @@ def build(out: Path = BUILD, labs: list[str] | None = None, seeds: dict[str, Pat
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="launchers/book", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("labs", nargs="*", help="only these labs ('00' or '00_collectives'; default: every lab)")
     parser.add_argument("--out", type=Path, default=BUILD, help="default: book/_build")
     parser.add_argument("--clean", action="store_true", help="forget the cached executions and build from scratch")
     args = parser.parse_args(argv)
     if args.clean:
         shutil.rmtree(args.out, ignore_errors=True)
-    result = build(args.out)
+    result = build(args.out, [find_lab(lab) for lab in args.labs] or None)
     ran = ", ".join(f"{lab} {s:.0f} s" for lab, s in result.executed.items()) or "none (all from the cache)"
     print(json.dumps({"labs": [i.name for i in result.labs], "seconds": round(result.seconds, 1)}))
     print(f"book built in {result.seconds:.0f} s; executed: {ran}\nopen {result.html / 'index.html'}")
