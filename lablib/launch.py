@@ -24,22 +24,17 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import queue
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lablib import config as cfg
-from lablib import exercise, processes
+from lablib import exercise, processes, supervisor
 from lablib.processes import RUN_MARKER, kill_run  # noqa: F401 - part of this module's interface
 
 
@@ -94,12 +89,6 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
-
-
-def _reader(stream, lines: queue.Queue) -> None:
-    for line in iter(stream.readline, ""):
-        lines.put(line)
-    lines.put(None)
 
 
 def _tail(text: str, n: int = 30) -> str:
@@ -243,67 +232,42 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
                              f"another program). Leave port=None to let torchrun pick a free port, or "
                              f"choose a different port.")
     threads = threads_per_rank or default_threads_per_rank(nproc)
-    run_id = uuid.uuid4().hex
-    run_dir = Path(tempfile.mkdtemp(prefix=f"lablib-{step}-"))
-    out = run_dir / "result.json"
-    rendezvous = (["--standalone"] if port is None else
-                  ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                   f"--rdzv-id={run_id}"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", f"lablib.runs.{step}", "--out", str(out),
-           *cfg.to_argv(config)]
-    rank_env = _rank_environment(run_id, run_dir, timeout_s, threads, env)
-
-    lines: queue.Queue = queue.Queue()
-    output: list[str] = []
     bar = None
-    proc = None
-    deadline = time.monotonic() + timeout_s
-    try:
-        # torchrun's own messages (agent logs, its failure summary) go to a file: the notebook gets rank 0's
-        # stdout live, and on failure the failing rank's traceback, not three screens of launcher noise.
-        with open(run_dir / processes.TORCHRUN_LOG, "w") as torchrun_log:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=torchrun_log, stdin=subprocess.DEVNULL,
-                                    text=True, bufsize=1, env=rank_env, start_new_session=True)
-        threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
-        while True:
-            if time.monotonic() > deadline:
-                kill_run(proc, run_id)
-                failure = processes.first_failure(run_dir)
+
+    def progress(event: str) -> None:
+        nonlocal bar
+        if show_progress and not quiet:
+            bar = _update_bar(bar, json.loads(event), step)
+
+    with supervisor.Supervisor(timeout_s, prefix=f"lablib-{step}-", quiet=quiet, on_progress=progress) as run:
+        out = run.run_dir / "result.json"
+        rendezvous = (["--standalone"] if port is None else
+                      ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                       f"--rdzv-id={run.run_id}"])
+        cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
+               f"--max-restarts={max_restarts}", "-m", f"lablib.runs.{step}", "--out", str(out),
+               *cfg.to_argv(config)]
+        try:
+            # torchrun's own messages (agent logs, its failure summary) go to a file: the notebook gets rank 0's
+            # stdout live, and on failure the failing rank's traceback, not three screens of launcher noise.
+            run.start(cmd, _rank_environment(run.run_id, run.run_dir, timeout_s, threads, env), marker=run.run_id)
+            for _ in run.lines():
+                pass
+            if run.timed_out:
+                failure = processes.first_failure(run.run_dir)
                 raise RunTimeout(
                     f"step {step!r} on {nproc} ranks ran past its timeout of {timeout_s:.0f} s; all of its "
-                    f"processes were stopped. Last output of rank 0:\n{_tail(''.join(output), 15)}",
+                    f"processes were stopped. Last output of rank 0:\n{_tail(run.output(), 15)}",
                     failure.rank, failure.details or _hint("timed out"))
-            try:
-                line = lines.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            if line.startswith(processes.PROGRESS_PREFIX):
-                if show_progress and not quiet:
-                    bar = _update_bar(bar, json.loads(line[len(processes.PROGRESS_PREFIX):]), step)
-                continue
-            output.append(line)
-            if not quiet:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-        rc = proc.wait()
-        if rc != 0:
-            raise _failure(step, nproc, rc, run_dir, output)
-        if not out.exists():
-            raise RunError(f"step {step!r} finished but wrote no result JSON", None, _tail("".join(output)))
-        return RunResult(json.loads(out.read_text()), "".join(output))
-    except KeyboardInterrupt:
-        if proc is not None:
-            kill_run(proc, run_id)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        if proc is not None and (proc.poll() is None or processes.run_processes(proc, run_id)):
-            kill_run(proc, run_id)
-        shutil.rmtree(run_dir, ignore_errors=True)
+            rc = run.wait()
+            if rc != 0:
+                raise _failure(step, nproc, rc, run.run_dir, run.output())
+            if not out.exists():
+                raise RunError(f"step {step!r} finished but wrote no result JSON", None, _tail(run.output()))
+            return RunResult(json.loads(out.read_text()), run.output())
+        finally:
+            if bar is not None:
+                bar.close()
 
 
 @dataclass(frozen=True)
@@ -347,46 +311,34 @@ def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: flo
                                 f"writes it (%%writefile {Path(path).name}) first")
     _check_launcher_options(nproc, timeout_s)
     args = [str(a) for a in args]
-    run_id = uuid.uuid4().hex
-    run_dir = Path(tempfile.mkdtemp(prefix=f"lablib-script-{script_path.stem}-"))
-    rank_env = _rank_environment(run_id, run_dir, timeout_s, default_threads_per_rank(nproc),
-                                 {"PYTHONFAULTHANDLER": "1", **(env or {})})
-    rank_env.pop(processes.RUN_DIR_ENV)   # the script keeps its own stdout and stderr (torchrun files them)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", f"--log-dir={run_dir / 'logs'}", "--redirects=3", str(script_path), *args]
-    proc, timed_out, t0 = None, False, time.monotonic()
-    try:
-        with open(run_dir / processes.TORCHRUN_LOG, "w") as torchrun_log:
-            proc = subprocess.Popen(cmd, stdout=torchrun_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=rank_env, start_new_session=True, cwd=script_path.parent)
+    with supervisor.Supervisor(timeout_s, prefix=f"lablib-script-{script_path.stem}-") as run:
+        rank_env = _rank_environment(run.run_id, run.run_dir, timeout_s, default_threads_per_rank(nproc),
+                                     {"PYTHONFAULTHANDLER": "1", **(env or {})})
+        rank_env.pop(processes.RUN_DIR_ENV)   # the script keeps its own stdout and stderr (torchrun files them)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--max-restarts=0", f"--log-dir={run.run_dir / 'logs'}", "--redirects=3", str(script_path), *args]
+        timed_out, t0 = False, time.monotonic()
+        proc = run.start(cmd, rank_env, marker=run.run_id, cwd=script_path.parent, read_output=False)
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out, returncode = True, None
-            _dump_stacks(proc, run_id)
-            kill_run(proc, run_id)
+            _dump_stacks(proc, run.run_id)
+            run.stop()
         elapsed = time.monotonic() - t0
-        rank_output = _rank_logs(run_dir / "logs")
-        stacks = {}
-        if timed_out:
-            for rank, text in rank_output.items():
-                if STACK_DUMP_MARKER in text:
-                    stacks[rank] = text[text.index(STACK_DUMP_MARKER):]
-                    rank_output[rank] = text[:text.index(STACK_DUMP_MARKER)]
-        result = ScriptRun(returncode, timed_out, rank_output.get(0, ""), rank_output, stacks, elapsed)
-        if not quiet:
-            how = (f"stopped after its timeout of {timeout_s:g} s" if timed_out else
-                   "finished" if returncode == 0 else f"failed (torchrun exit code {returncode})")
-            print(f"{script_path.name} on {nproc} ranks {how} in {elapsed:.1f} s")
-        return result
-    except KeyboardInterrupt:
-        if proc is not None:
-            kill_run(proc, run_id)
-        raise
-    finally:
-        if proc is not None and (proc.poll() is None or processes.run_processes(proc, run_id)):
-            kill_run(proc, run_id)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        rank_output = _rank_logs(run.run_dir / "logs")
+    stacks = {}
+    if timed_out:
+        for rank, text in rank_output.items():
+            if STACK_DUMP_MARKER in text:
+                stacks[rank] = text[text.index(STACK_DUMP_MARKER):]
+                rank_output[rank] = text[:text.index(STACK_DUMP_MARKER)]
+    result = ScriptRun(returncode, timed_out, rank_output.get(0, ""), rank_output, stacks, elapsed)
+    if not quiet:
+        how = (f"stopped after its timeout of {timeout_s:g} s" if timed_out else
+               "finished" if returncode == 0 else f"failed (torchrun exit code {returncode})")
+        print(f"{script_path.name} on {nproc} ranks {how} in {elapsed:.1f} s")
+    return result
 
 
 def _dump_stacks(proc: subprocess.Popen, run_id: str, wait_s: float = 3.0) -> None:
@@ -421,7 +373,7 @@ def _rank_logs(log_dir: Path) -> dict:
     return out
 
 
-def _failure(step: str, nproc: int, rc: int, run_dir: Path, output: list[str]) -> RunError:
+def _failure(step: str, nproc: int, rc: int, run_dir: Path, output: str) -> RunError:
     failure = processes.first_failure(run_dir)
     if failure.signal:
         return RankKilledError(
@@ -430,9 +382,14 @@ def _failure(step: str, nproc: int, rc: int, run_dir: Path, output: list[str]) -
             f"killer, a crash), not an error in your answer: run the cell again. When grading, this cell's "
             f"points were lost to the infrastructure.", failure.rank, failure.details, failure.signal)
     where = f"rank {failure.rank} raised an error" if failure.rank is not None else f"torchrun exited with code {rc}"
+    if failure.attempt:
+        where += (f" on attempt {failure.attempt} (torchrun restarted the group {failure.attempt} time"
+                  f"{'s' if failure.attempt > 1 else ''}; this is the last attempt's error)")
+    earlier = "".join(f"\n  {line}" for line in failure.earlier)
+    earlier = f"\nThe earlier attempts failed first:{earlier}" if earlier else ""
     hint = _hint(failure.details)
-    return RunError(f"step {step!r} on {nproc} ranks failed: {where}." + (f"\n{hint}" if hint else ""),
-                    failure.rank, failure.details or _tail("".join(output)))
+    return RunError(f"step {step!r} on {nproc} ranks failed: {where}." + earlier + (f"\n{hint}" if hint else ""),
+                    failure.rank, failure.details or _tail(output))
 
 
 def _update_bar(bar, event: dict, step: str):

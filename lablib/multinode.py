@@ -40,21 +40,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lablib import config as cfg
-from lablib import launch, processes
+from lablib import launch, processes, supervisor
 
 # torch 2.13: without this, a node that joins a running job waits forever (see the module docstring).
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -104,14 +99,16 @@ class NodesResult(launch.RunResult):
         self.elapsed_s = elapsed_s
 
 
-def _kill_now(proc: subprocess.Popen, marker: str) -> None:
-    """SIGKILL an agent and every worker it started (its own session, or orphaned): a node that dies."""
+def _kill_now(proc: subprocess.Popen, marker: str, folder: Path) -> None:
+    """SIGKILL an agent and every worker it started (its own session, or orphaned): a node that dies. Each
+    death is recorded in the run's folder first: the course's doing, not the machine's."""
     for _ in range(20):
         alive = [p for p in processes.run_processes(proc, marker) if p.is_running()]
         if not alive:
             return
         for p in alive:
             try:
+                processes.record_deliberate_kill(p.pid, "run_nodes(leave=...): the node leaves", folder)
                 p.kill()
             except Exception:  # noqa: BLE001 - already gone
                 pass
@@ -162,104 +159,60 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
         config.validate_world(nodes * nproc_per_node)
     launch._refuse_unwritten_exercises(config)
 
-    run_id = uuid.uuid4().hex
-    run_dir = Path(tempfile.mkdtemp(prefix=f"lablib-{step}-nodes-"))
-    out = run_dir / "result.json"
-    port = free_port()
     threads = launch.default_threads_per_rank(nodes * nproc_per_node)
-    commands = [torchrun_command(step, cfg.to_argv(config), nnodes=f"{min_nodes}:{nodes}",
-                                 nproc_per_node=nproc_per_node, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=run_id,
-                                 out=str(out), max_restarts=max_restarts,
-                                 rdzv_conf={**RDZV_CONF, "is_host": "true" if i == 0 else "false"})
-                for i in range(nodes)]
-    lines: queue.Queue = queue.Queue()
-    procs: list[subprocess.Popen | None] = [None] * nodes
-    markers = [f"{run_id}-node{i}" for i in range(nodes)]
-    outputs: list[list[str]] = [[] for _ in range(nodes)]
-    left_s = None
-    t0 = time.monotonic()
-    deadline = t0 + timeout_s
+    port = free_port()
+    with supervisor.Supervisor(timeout_s, prefix=f"lablib-{step}-nodes-", quiet=quiet) as run:
+        out = run.run_dir / "result.json"
+        markers = [f"{run.run_id}-node{i}" for i in range(nodes)]
 
-    def reader(i: int, stream) -> None:
-        for line in stream:
-            lines.put((i, line))
-        lines.put((i, None))
+        def start(i: int) -> None:
+            command = torchrun_command(step, cfg.to_argv(config), nnodes=f"{min_nodes}:{nodes}",
+                                       nproc_per_node=nproc_per_node, rdzv_endpoint=f"127.0.0.1:{port}",
+                                       rdzv_id=run.run_id, out=str(out), max_restarts=max_restarts,
+                                       rdzv_conf={**RDZV_CONF, "is_host": "true" if i == 0 else "false"})
+            env_i = launch._rank_environment(markers[i], run.run_dir, timeout_s, threads, {**AGENT_ENV, **(env or {})})
+            run.start(command, env_i, marker=markers[i], key=i,
+                      log=processes.TORCHRUN_LOG if i == 0 else f"torchrun-node{i}.txt")
 
-    def start(i: int) -> subprocess.Popen:
-        with open(run_dir / (processes.TORCHRUN_LOG if i == 0 else f"torchrun-node{i}.txt"), "w") as log:
-            proc = subprocess.Popen(
-                commands[i], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                start_new_session=True,
-                env=launch._rank_environment(markers[i], run_dir, timeout_s, threads, {**AGENT_ENV, **(env or {})}))
-        threading.Thread(target=reader, args=(i, proc.stdout), daemon=True).start()
-        return proc
-
-    joined_s = None
-    try:
+        left_s = joined_s = None
         # all at once, agent 0 first (the lowest process id: node 0); the others wait for its store
         for i in range(nodes):
             if join is None or i != join[0]:
-                procs[i] = start(i)
-        open_streams = sum(p is not None for p in procs)
-        while open_streams:
-            if time.monotonic() > deadline:
-                raise launch.RunTimeout(
-                    f"step {step!r} on {nodes} nodes x {nproc_per_node} ran past its timeout of {timeout_s:.0f} s; "
-                    f"every process of every node was stopped. Last output:\n"
-                    f"{launch._tail(''.join(sum(outputs, [])), 15)}", None, "")
-            try:
-                i, line = lines.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if line is None:
-                open_streams -= 1
-                continue
-            outputs[i].append(line)
-            if not quiet:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+                start(i)
+        for _, line in run.lines():
             if join is not None and joined_s is None and join[1] in line:
-                joined_s = time.monotonic() - t0
-                procs[join[0]] = start(join[0])
-                open_streams += 1
+                joined_s = run.elapsed_s()
+                start(join[0])
                 if not quiet:
                     print(f"[multinode] node {join[0]} started {joined_s:.1f} s after the start, to join the job",
                           flush=True)
             if leave is not None and left_s is None and leave[1] in line:
-                left_s = time.monotonic() - t0
-                _kill_now(procs[leave[0]], markers[leave[0]])
+                left_s = run.elapsed_s()
+                _kill_now(*run.process(leave[0]), run.run_dir)
                 if not quiet:
                     print(f"[multinode] node {leave[0]} was killed {left_s:.1f} s after the start "
                           f"(its agent and workers, SIGKILL)", flush=True)
+        if run.timed_out:
+            raise launch.RunTimeout(
+                f"step {step!r} on {nodes} nodes x {nproc_per_node} ran past its timeout of {timeout_s:.0f} s; "
+                f"every process of every node was stopped. Last output:\n{launch._tail(run.output(), 15)}", None, "")
         if join is not None and joined_s is None:
             raise launch.RunError(f"no rank printed a line containing {join[1]!r}, so node {join[0]} never joined; "
-                                  f"check the marker against the step's output", None,
-                                  launch._tail("".join(sum(outputs, []))))
-        codes = [p.wait() for p in procs]
-        elapsed = time.monotonic() - t0
-        agents = [{"returncode": c, "left": leave is not None and i == leave[0], "output": "".join(outputs[i])}
+                                  f"check the marker against the step's output", None, launch._tail(run.output()))
+        codes = [run.wait(i) for i in range(nodes)]
+        elapsed = run.elapsed_s()
+        agents = [{"returncode": c, "left": leave is not None and i == leave[0], "output": run.output(i)}
                   for i, c in enumerate(codes)]
         if leave is not None and left_s is None:
             raise launch.RunError(f"no rank printed a line containing {leave[1]!r}, so node {leave[0]} never left; "
-                                  f"check the marker against the step's output", None,
-                                  launch._tail("".join(sum(outputs, []))))
+                                  f"check the marker against the step's output", None, launch._tail(run.output()))
         bad = [(i, c) for i, c in enumerate(codes) if c != 0 and not agents[i]["left"]]
         if bad:
-            raise launch._failure(step, nodes * nproc_per_node, bad[0][1], run_dir, sum(outputs, []))
+            raise launch._failure(step, nodes * nproc_per_node, bad[0][1], run.run_dir, run.output())
         if not out.exists():
             raise launch.RunError(f"step {step!r} finished on {nodes} nodes but wrote no result JSON", None,
-                                  launch._tail("".join(sum(outputs, []))))
-        return NodesResult(json.loads(out.read_text()), "".join(sum(outputs, [])), agents, left_s, joined_s,
-                           elapsed)
-    except KeyboardInterrupt:
-        raise
-    finally:
-        for proc, marker in zip(procs, markers):
-            if proc is None:
-                continue
-            if proc.poll() is None or processes.run_processes(proc, marker):
-                processes.kill_run(proc, marker)
-        shutil.rmtree(run_dir, ignore_errors=True)
+                                  launch._tail(run.output()))
+        return NodesResult(json.loads(out.read_text()), run.output(), agents, left_s, joined_s, elapsed)
 
 
 # --- the command line: one node's agent (launchers/multinode, launchers/slurm.sbatch) ---------------------------

@@ -3,10 +3,14 @@ supervision of a run's processes. Both sides take every name from here; no other
 
 A run has a folder, ``LABLIB_RUN_DIR``, where each rank leaves
 - ``rank<r>.log``: its stderr (and its stdout, except rank 0's, which streams live to the notebook);
-- ``rank<r>.error``: the time it failed and its traceback, written *before* the process group is torn
-  down, so the launcher can name the first rank that failed (the cause), not the ones that failed after it;
-and the launcher keeps torchrun's own log, ``torchrun.log``, whose failure summary holds every rank's exit
-code: a negative one is a signal (SIGABRT, SIGKILL, SIGSEGV), a death from outside Python.
+- ``rank<r>.attempt<a>.error``: the time it failed and its traceback, written *before* the process group is
+  torn down, so the launcher can name the first rank that failed (the cause), not the ones that failed after
+  it; one per attempt (``torchrun --max-restarts`` starts the group again), and the last attempt's is reported;
+- ``pid<p>.killed_on_purpose``: written by whatever kills a process of the run on purpose (a fault a lab
+  plays, a node made to leave, the launcher stopping a run), *before* it kills it;
+and the launcher keeps torchrun's own log, ``torchrun.log``, whose failure summary holds the last attempt's
+exit codes: a negative one is a signal (SIGABRT, SIGKILL, SIGSEGV), a death from outside Python. A death
+that no record claims is the machine's (the out-of-memory killer's SIGKILL, a library's abort).
 Lines of rank 0's stdout that start with ``PROGRESS_PREFIX`` are progress events (one JSON object each).
 
 Timeouts come from one number, the run's ``timeout_s``: a rank's ``init_process_group`` and collectives
@@ -75,19 +79,39 @@ def rank_log(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}.log"
 
 
+def error_file(folder: Path, rank: int, attempt: int) -> Path:
+    return folder / f"rank{rank}.attempt{attempt}.error"
+
+
 def record_error(rank: int, error: BaseException | str) -> None:
     """Leave this rank's traceback (or message) for the launcher, stamped with the time it happened.
 
-    Only the first error of a rank is kept, and a clean ``SystemExit`` is not an error.
+    Only the first error of a rank in each attempt of the worker group is kept (``torchrun --max-restarts``
+    starts the group again; a new attempt's error is not hidden by the last one's), and a clean
+    ``SystemExit`` is not an error.
     """
     folder = run_dir()
     if folder is None or isinstance(error, SystemExit):
         return
-    path = folder / f"rank{rank}.error"
+    from lablib.distenv import restart_attempt  # here: the launcher imports this module, and not torch
+
+    path = error_file(folder, rank, restart_attempt())
     if path.exists():
         return
     text = error if isinstance(error, str) else "".join(traceback.format_exception(error))
     path.write_text(f"{time.time():.6f}\n{text}")
+
+
+def record_deliberate_kill(pid: int, why: str, folder: Path | None = None) -> None:
+    """Say, *before* killing process ``pid`` on purpose, that its death is the course's doing, not the machine's.
+
+    The launcher reports a rank killed by a signal as lost to the infrastructure (``launch.RankKilledError``),
+    unless a record names its pid. ``folder`` is the run's (default: this rank's ``LABLIB_RUN_DIR``; nothing is
+    written outside a launcher's run). A rank that kills itself calls ``record_deliberate_kill(os.getpid(), ...)``.
+    """
+    folder = run_dir() if folder is None else folder
+    if folder is not None and folder.is_dir():
+        (folder / f"pid{pid}.killed_on_purpose").write_text(f"{time.time():.6f} {why}\n")
 
 
 def end_rank(code: int) -> None:
@@ -119,7 +143,9 @@ def is_torchrun_worker() -> bool:
 
 # --- the launcher's side -------------------------------------------------------------------------------
 
-SIGNALS_WE_SEND = {signal.SIGTERM, signal.SIGKILL, signal.SIGINT}
+# torchrun stops the surviving ranks of a failed group with SIGTERM, the launcher stops a run with SIGTERM
+# (then SIGKILL, recorded), Ctrl-C is SIGINT. SIGKILL is not here: the out-of-memory killer sends it too.
+SIGNALS_WE_SEND = {signal.SIGTERM, signal.SIGINT}
 
 
 @dataclass(frozen=True)
@@ -128,6 +154,8 @@ class Failure:
     rank: int | None
     details: str
     signal: str | None = None      # e.g. "SIGABRT": the rank died from outside Python, not by an exception
+    attempt: int = 0               # the attempt of the worker group that failed so (torchrun's restart count)
+    earlier: tuple[str, ...] = ()  # how each earlier attempt failed: "attempt 0: rank 1: RuntimeError: ..."
 
 
 def _signal_name(number: int) -> str:
@@ -141,32 +169,64 @@ def _tail(text: str, n: int = 30) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
 
 
-def rank_exit_codes(torchrun_log: str) -> list[tuple[int, int]]:
-    """(rank, exit code) pairs from torchrun's failure summary, root cause first."""
+def rank_exit_codes(torchrun_log: str) -> list[tuple[int, int, int | None]]:
+    """(rank, exit code, pid) from torchrun's failure summary (the last attempt's), root cause first."""
     summary = torchrun_log
     root = summary.find("Root Cause")
     if root >= 0:  # torchrun prints the other failures first, then the root cause: put that first
         summary = summary[root:] + "\n" + summary[:root]
-    pairs = re.findall(r"rank\s*:\s*(\d+)[^\n]*\n(?:[^\n]*\n)*?\s*exitcode\s*:\s*(-?\d+)", summary)
-    return [(int(r), int(c)) for r, c in pairs]
+    found = re.findall(r"rank\s*:\s*(\d+)[^\n]*\n(?:[^\n]*\n)*?\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?",
+                       summary)
+    return [(int(r), int(c), int(pid) if pid else None) for r, c, pid in found]
+
+
+def _recorded_errors(folder: Path) -> dict[int, list[tuple[float, int, str]]]:
+    """The ranks' recorded errors by attempt: {attempt: [(time, rank, traceback), ...]}."""
+    by_attempt: dict[int, list[tuple[float, int, str]]] = {}
+    for path in folder.glob("rank*.attempt*.error"):
+        match = re.fullmatch(r"rank(\d+)\.attempt(\d+)\.error", path.name)
+        if match:
+            stamp, _, text = path.read_text().partition("\n")
+            by_attempt.setdefault(int(match[2]), []).append((float(stamp), int(match[1]), text))
+    return by_attempt
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1].strip() if lines else ""
 
 
 def first_failure(folder: Path) -> Failure:
-    """The traceback of the first rank that raised (earliest timestamp); else, when a rank was killed by a
-    signal, that rank and signal with its log's last lines; else the ranks' log tails."""
-    errors = []
-    for path in folder.glob("rank*.error"):
-        stamp, _, text = path.read_text().partition("\n")
-        errors.append((float(stamp), int(path.stem[4:]), text))
-    if errors:
-        _, rank, text = min(errors)
-        return Failure(rank, text)
+    """Why the run failed, in this order:
+    - a rank of the last attempt killed by SIGKILL that no record claims (``record_deliberate_kill``): the
+      out-of-memory killer, or a person; what its peers raised after it lost them is the consequence;
+    - the traceback of the first rank that raised (earliest timestamp) in the last attempt that recorded errors,
+      with one line for each earlier attempt's first error;
+    - a rank killed by another signal nobody in the course sent (SIGABRT, SIGSEGV), with its log's last lines;
+    - else the ranks' log tails.
+    """
     log = folder / TORCHRUN_LOG
-    for rank, code in rank_exit_codes(log.read_text(errors="replace") if log.exists() else ""):
-        if code < 0 and -code not in SIGNALS_WE_SEND:
-            rank_log_path = rank_log(folder, rank)
-            tail = _tail(rank_log_path.read_text(errors="replace")) if rank_log_path.exists() else ""
-            return Failure(rank, tail, _signal_name(-code))
+    exits = rank_exit_codes(log.read_text(errors="replace") if log.exists() else "")
+    on_purpose = {int(p.name[3:].partition(".")[0]) for p in folder.glob("pid*.killed_on_purpose")}
+    killed = [(rank, -code) for rank, code, pid in exits
+              if code < 0 and -code not in SIGNALS_WE_SEND and pid not in on_purpose]
+
+    def killed_by(rank: int, number: int) -> Failure:
+        path = rank_log(folder, rank)
+        return Failure(rank, _tail(path.read_text(errors="replace")) if path.exists() else "", _signal_name(number))
+
+    for rank, number in killed:
+        if number == signal.SIGKILL:
+            return killed_by(rank, number)
+    errors = _recorded_errors(folder)
+    if errors:
+        last = max(errors)
+        _, rank, text = min(errors[last])
+        earlier = tuple(f"attempt {a}: rank {min(errors[a])[1]}: {_last_line(min(errors[a])[2])}"
+                        for a in sorted(errors) if a < last)
+        return Failure(rank, text, attempt=last, earlier=earlier)
+    if killed:
+        return killed_by(*killed[0])
     logs = [f"--- {p.stem} log (last lines) ---\n{_tail(p.read_text(errors='replace'))}"
             for p in sorted(folder.glob("*.log")) if p.name != TORCHRUN_LOG and p.read_text(errors="replace").strip()]
     return Failure(None, "\n".join(logs))
@@ -193,12 +253,14 @@ def run_processes(root_proc: subprocess.Popen, run_id: str) -> list[psutil.Proce
     return list(found.values())
 
 
-def kill_run(root_proc: subprocess.Popen, run_id: str, grace_s: float = 3.0, deadline_s: float = 15.0) -> None:
+def kill_run(root_proc: subprocess.Popen, run_id: str, grace_s: float = 3.0, deadline_s: float = 15.0,
+             folder: Path | None = None) -> None:
     """Terminate every process of a run: SIGTERM, then SIGKILL after grace_s, repeated until none is left.
 
     root_proc must have been started with ``RUN_MARKER=run_id`` in its environment; every descendant
     inherits it, so even workers started in sessions of their own, or orphaned, or spawned while we were
-    killing the others, are found.
+    killing the others, are found. With the run's ``folder``, each process SIGKILLed is recorded there first
+    (``record_deliberate_kill``): the launcher stopping a run is not the machine killing a rank.
     """
     def alive() -> list[psutil.Process]:
         root_proc.poll()  # reap our own child, so it does not linger as a zombie
@@ -222,6 +284,8 @@ def kill_run(root_proc: subprocess.Popen, run_id: str, grace_s: float = 3.0, dea
     while (left := alive()) and time.monotonic() < deadline:
         for proc in left:
             try:
+                if folder is not None:
+                    record_deliberate_kill(proc.pid, "the launcher stopped the run", folder)
                 proc.kill()
             except psutil.Error:
                 pass

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -80,6 +82,94 @@ def test_max_restarts_restarts_the_group_after_a_failed_attempt():
     assert not wait_until_gone()
 
 
+def test_a_restarted_run_reports_the_last_attempts_error():
+    """max_restarts=1 and rank 1 fails on both attempts, with a different error each time (A on attempt 0, B on
+    attempt 1): the launcher reports B, the error of the attempt that ended the run, and mentions A. (Lab 10:
+    a student's traceback on attempt 1 must not be hidden behind the peer error of the deliberate kill before.)"""
+    with pytest.raises(launch.RunError) as info:
+        launch.run("hello", {"fail_rank": 1}, nproc=2, timeout_s=150, quiet=True, max_restarts=1)
+    assert info.value.rank == 1
+    assert "rank 1 failed on purpose (fail_rank=1) on attempt 1" in info.value.details        # B
+    assert "on attempt 0" not in info.value.details
+    message = str(info.value).split("\n\n")[0]
+    assert "on attempt 1" in message and "attempt 0: rank 1: RuntimeError: rank 1 failed on purpose" in message  # A
+    assert not wait_until_gone()
+
+
+def _kill_rank_when(text: str, rank: int, tag: str, on_purpose: bool):
+    """A stand-in for sys.stdout (launch.run echoes rank 0's lines through it) that SIGKILLs ``rank`` of the run
+    whose ranks carry ``LABLIB_TEST_TAG=tag`` the first time a line containing ``text`` is printed; with
+    ``on_purpose``, after recording the kill in the run's folder as the course's lab 10 faults do."""
+    class Stdout:
+        killed = None
+
+        def write(self, line):
+            if text in line and self.killed is None:
+                for p in psutil.process_iter():
+                    try:
+                        env = p.environ()
+                    except psutil.Error:
+                        continue
+                    if env.get("LABLIB_TEST_TAG") == tag and env.get("RANK") == str(rank):
+                        if on_purpose:
+                            processes.record_deliberate_kill(p.pid, "test", Path(env[processes.RUN_DIR_ENV]))
+                        p.send_signal(signal.SIGKILL)
+                        self.killed = p.pid
+            return len(line)
+
+        def flush(self):
+            pass
+
+    return Stdout()
+
+
+@pytest.mark.parametrize("on_purpose", [False, True], ids=["out_of_memory_killer", "recorded_deliberate_kill"])
+def test_a_rank_sigkilled_from_outside_is_the_machines_failure(monkeypatch, on_purpose):
+    """Rank 1 SIGKILLed mid-job, as the out-of-memory killer does: RankKilledError naming SIGKILL, whatever rank 0
+    raised after losing its peer. The same kill recorded first (record_deliberate_kill) is the course's doing,
+    not the machine's: an ordinary RunError."""
+    tag = uuid.uuid4().hex
+    stdout = _kill_rank_when("round 3 of 200", rank=1, tag=tag, on_purpose=on_purpose)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    with pytest.raises(launch.RunError) as info:
+        launch.run("hello", {"rounds": 200, "round_s": 0.1}, nproc=2, timeout_s=120, env={"LABLIB_TEST_TAG": tag})
+    monkeypatch.undo()
+    assert stdout.killed is not None, "rank 1 was never found to be killed"
+    if on_purpose:
+        assert not isinstance(info.value, launch.RankKilledError), str(info.value)
+    else:
+        assert isinstance(info.value, launch.RankKilledError), str(info.value)
+        assert info.value.rank == 1 and info.value.signal == "SIGKILL"
+        assert "killed by SIGKILL" in str(info.value) and "infrastructure" in str(info.value)
+    assert not wait_until_gone()
+
+
+def test_first_failure_orders_signals_records_and_attempts(tmp_path):
+    """The rules of processes.first_failure on a run folder written by hand: a SIGKILL nobody recorded comes
+    before the errors its peers raised; a recorded one does not count; of the errors, the last attempt's."""
+    summary = textwrap.dedent("""
+        Failures:
+        [1]:
+          rank      : 0 (local_rank: 0)
+          exitcode  : 1 (pid: 501)
+        Root Cause (first observed failure):
+        [0]:
+          rank      : 1 (local_rank: 1)
+          exitcode  : -9 (pid: 502)  (SIGKILL)
+        """)
+    (tmp_path / processes.TORCHRUN_LOG).write_text(summary)
+    processes.error_file(tmp_path, 1, 0).write_text("10.0\nRuntimeError: A\n")
+    processes.error_file(tmp_path, 0, 0).write_text("11.0\nRuntimeError: peer closed\n")
+    processes.error_file(tmp_path, 0, 1).write_text("21.0\nRuntimeError: connection closed by peer\n")
+    killed = processes.first_failure(tmp_path)
+    assert (killed.rank, killed.signal) == (1, "SIGKILL")
+    processes.record_deliberate_kill(502, "a fault the test plays", tmp_path)
+    failure = processes.first_failure(tmp_path)
+    assert (failure.rank, failure.signal, failure.attempt) == (0, None, 1)
+    assert "connection closed by peer" in failure.details
+    assert failure.earlier == ("attempt 0: rank 1: RuntimeError: A",)
+
+
 def test_torchrun_exit_codes_are_read_root_cause_first():
     summary = textwrap.dedent("""
         Failures:
@@ -95,7 +185,7 @@ def test_torchrun_exit_codes_are_read_root_cause_first():
           rank      : 2 (local_rank: 2)
           exitcode  : -6 (pid: 2117)
         """)
-    assert processes.rank_exit_codes(summary) == [(2, -6), (0, -15)]
+    assert processes.rank_exit_codes(summary) == [(2, -6, 2117), (0, -15, 2116)]
 
 
 def test_step_options_and_launcher_options_never_share_a_namespace():
