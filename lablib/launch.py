@@ -16,7 +16,10 @@ What it guarantees, because a notebook must never hang or leak processes:
 - a timeout, an error or Ctrl-C / "interrupt kernel" kills the *whole* run: torchrun starts each worker
   in a session of its own, so killing torchrun alone would leave them behind. Every process carrying
   this run's marker in its environment is terminated, then killed;
-- when a rank fails, ``RunError`` carries that rank's traceback (the first rank to fail, the root cause).
+- when a rank fails, ``RunError`` carries that rank's traceback (the first rank to fail, the root cause, in
+  the last attempt when torchrun restarted the group); a rank killed by a signal that nothing in the course
+  recorded sending (``processes.record_deliberate_kill``) is ``RankKilledError``, the machine's failure.
+The watching (output, deadline, stopping every process) is ``lablib.supervisor``'s, shared with multinode.
 """
 
 from __future__ import annotations

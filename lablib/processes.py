@@ -1,5 +1,6 @@
-"""The contract between the launcher (``lablib.launch``) and its ranks (``lablib.script``), and the
-supervision of a run's processes. Both sides take every name from here; no other module spells them.
+"""The contract between the launcher (``lablib.launch``) and its ranks (``lablib.script``), and finding and
+stopping a run's processes (``lablib.supervisor`` watches them). Both sides take every name from here; no other
+module spells them.
 
 A run has a folder, ``LABLIB_RUN_DIR``, where each rank leaves
 - ``rank<r>.log``: its stderr (and its stdout, except rank 0's, which streams live to the notebook);

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lablib import multinode
+from lablib import launch, multinode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,6 +150,16 @@ def test_an_elastic_job_goes_on_without_the_node_that_died():
     assert "round 3 of 25, world size 4" in out and "round 25 of 25, world size 2" in out
     assert result.left_s is not None and result.left_s < result.elapsed_s <= elapsed
     print(f"[multinode] node 1 killed at {result.left_s:.1f} s; job done at {result.elapsed_s:.1f} s")
+    assert _gone()
+
+
+def test_a_job_of_two_nodes_that_hangs_is_stopped_at_its_timeout():
+    """Rank 0 never joins the all-reduce: at timeout_s every process of both agents is stopped (the same supervisor
+    as launch.run's), and RunTimeout says so."""
+    t0 = time.monotonic()
+    with pytest.raises(launch.RunTimeout, match="ran past its timeout of 12 s; every process of every node"):
+        multinode.run_nodes("hello", {"hang_rank": 0}, nodes=2, nproc_per_node=1, timeout_s=12, quiet=True)
+    assert time.monotonic() - t0 < 40
     assert _gone()
 
 
