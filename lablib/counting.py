@@ -2,14 +2,16 @@
 
 Every lab counts collectives the same way, here:
 
-    with counting.count_collectives() as log:        # every torch.distributed call inside is recorded
+    with counting.count_collectives() as log:        # every collective called inside is recorded
         train_step()
     log.count("all_gather"), log.bytes("reduce_scatter"), log.calls[0]   # Call(name, bytes, world_size, ...)
 
-A ``Call`` is recorded when the course (or a library it uses: FSDP2, DTensor, Accelerate) calls a
-``torch.distributed`` function, with the bytes of the *algorithm* it asked for, not of what the backend
-moved: gloo implements ``reduce_scatter_tensor`` with an all-reduce (about twice the bytes NCCL moves), so
-its own traffic would mislead. Sizes follow nccl-tests' conventions (github.com/NVIDIA/nccl-tests,
+A ``Call`` is recorded when the course (or a library it uses: FSDP2, DTensor, Accelerate) calls a collective,
+however it is spelled (``dist.all_reduce``, ``from torch.distributed import all_reduce``, a functional
+collective, DTensor's redistribution: see "the layer" below), named by the ``torch.distributed`` function
+called, with the bytes of the *algorithm* it asked for, not of what the backend moved: gloo implements
+``reduce_scatter_tensor`` with an all-reduce (about twice the bytes NCCL moves), so its own traffic would
+mislead. Sizes follow nccl-tests' conventions (github.com/NVIDIA/nccl-tests,
 doc/PERFORMANCE.md):
 
 - ``bytes`` is the message size S: the tensor of all_reduce, broadcast, reduce, all_to_all, send and recv;
@@ -24,17 +26,18 @@ all-reduces are issued by its C++ reducer, not through ``torch.distributed``'s P
 record them, or open ``count_ddp_models(log)`` around the code that builds the DDP model (e.g. Accelerate's
 ``prepare``).
 
-torch's own ``CommDebugMode`` (torch.distributed.tensor.debug) was checked for this job on torch 2.13 and
-gloo: it sees the c10d ops under the dispatcher (for one ``dist.all_reduce`` and an FSDP2 step of two
-units: 1 ``allreduce_``, 4 ``_allgather_base_``, 2 ``_reduce_scatter_base_``, the same calls this layer
-records), but it keeps counts per op only: no bytes, no group size, and names of the implementation, not of
-the collective the course called. This layer adds those.
+torch's own ``CommDebugMode`` (torch.distributed.tensor.debug) sees the same c10d ops on torch 2.13 and gloo
+(for one ``dist.all_reduce`` and an FSDP2 step of two units: 1 ``allreduce_``, 4 ``_allgather_base_``,
+2 ``_reduce_scatter_base_``), but it keeps counts per op only: no bytes, no group, no times, and names of the
+implementation, not of the collective the course called. This layer adds those.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -55,6 +58,7 @@ COURSE_NAMES = {
     "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
     "broadcast": "broadcast", "reduce": "reduce", "scatter": "scatter", "gather": "gather",
     "send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "batch_isend_irecv": "send_recv",
+    "all_gather_coalesced": "all_gather", "_all_gather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter",
     "barrier": "barrier", "monitored_barrier": "barrier",
     "all_gather_object": "all_gather_object", "broadcast_object_list": "broadcast_object_list",
     "gather_object": "gather_object", "scatter_object_list": "scatter_object_list",
@@ -102,6 +106,11 @@ class Call:
     asynchronous: bool = False
     phase: str | None = None
     ranks: tuple[int, ...] | None = None     # the group's global ranks (tells apart groups of equal size)
+
+    @property
+    def functional(self) -> bool:
+        """A functional collective's op (torch.distributed._functional_collectives, DTensor's redistribution)."""
+        return self.function.startswith(("_c10d_functional.", "_dtensor."))
 
 
 @dataclass
@@ -157,7 +166,7 @@ class CollectiveLog:
 
 # --- not counting twice ------------------------------------------------------------------------------------
 
-_state = threading.local()
+_state = threading.local()     # per thread: depth of uncounted(), the composite call being issued
 
 
 def _depth() -> int:
@@ -174,33 +183,76 @@ def uncounted() -> Iterator[None]:
         _state.depth -= 1
 
 
+# --- the layer: torch's communication ops, under every way of calling them ------------------------------------
+#
+# Every torch.distributed function ends in a ProcessGroup method (distributed_c10d.py:3245, all_reduce:
+# ``work = group.allreduce([tensor], opts)``), and every ProcessGroup method calls a dispatcher op
+# (include/torch/csrc/distributed/c10d/ProcessGroup.hpp:241-262, ProcessGroup::allreduce -> c10d::allreduce_; the
+# others at 208-883). Functional collectives call their own ops (_functional_collectives.py:179, all_reduce ->
+# _c10d_functional.all_reduce), and DTensor's redistribution calls functional collectives
+# (tensor/placement_types.py:509, 609, 1534; tensor/_collective_utils.py:102, _dtensor.shard_dim_alltoall). So the
+# dispatcher sees a collective however the caller spelled it: dist.all_reduce, ``from torch.distributed import
+# all_reduce`` (the same function object, bound before any block), torch.distributed.distributed_c10d.all_reduce,
+# a ProcessGroup method, funcol, DTensor. A backend's own algorithm runs below the op (gloo's reduce-scatter is
+# its ``_reduce_scatter_base`` override, ProcessGroupGloo.hpp:353), so the op is what the caller called.
+#
+# The ops are intercepted by a Python kernel at the BackendSelect key (above the CPU and CUDA kernels, below
+# autograd and Python modes), registered while a block is open: it runs for these ops only, in every thread.
+# torch's CommDebugMode (tensor/debug/_comm_mode.py:642) sees the same ops from a TorchDispatchMode, which runs
+# Python for every aten op of the block (measured: ~8 us per op, 10% of a small GPT step timed inside a block).
+# The name is the outermost torch.distributed function on the Python stack (all_gather_object, not the two
+# all_gathers it issues); an op with none is named by the op. A c10d op that no torch.distributed function and
+# no code outside torch called is torch's C++ at work (DDP's reducer from autograd's engine, its constructor's
+# checks): it is left to count_ddp, as before.
+
+_BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OBJECTS = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+            "send_object_list", "recv_object_list"}        # pickled objects: no message size (bus factor 0)
+_COMPOSITE = _OBJECTS | {"batch_isend_irecv"}             # functions that issue several ops: one call
+_ASYNC = {"isend", "irecv", "batch_isend_irecv"}
+_FUNCTIONS = {inspect.unwrap(f).__code__: name for name in COURSE_NAMES
+              if callable(f := getattr(c10d, name, None))}   # code object -> torch.distributed function
+
+# op -> (course name, the argument whose bytes are the message S, times what); S as in the module docstring.
+OPS = {"c10d::" + op: spec for op, spec in {
+    "allreduce_": ("all_reduce", "tensors"), "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "broadcast_": ("broadcast", "tensors"), "reduce_": ("reduce", "tensors"),
+    "allgather_": ("all_gather", "output_tensors"), "_allgather_base_": ("all_gather", "output_tensor"),
+    "allgather_coalesced_": ("all_gather", "output_lists"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"), "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+    "alltoall_": ("all_to_all", "input_tensors"), "alltoall_base_": ("all_to_all", "input"),
+    "gather_": ("gather", "input_tensors", "world"), "scatter_": ("scatter", "output_tensors", "world"),
+    "send": ("send", "tensors"), "recv_": ("recv", "tensors"), "recv_any_source_": ("recv", "tensors"),
+    "barrier": ("barrier", None), "monitored_barrier_": ("barrier", None)}.items()} | {
+    "_c10d_functional::" + op: spec for op, spec in {
+    "all_reduce": ("all_reduce", "input"), "all_reduce_": ("all_reduce", "input"),
+    "all_reduce_coalesced": ("all_reduce", "inputs"), "all_reduce_coalesced_": ("all_reduce", "inputs"),
+    "all_gather_into_tensor": ("all_gather", "input", "group_size"),
+    "all_gather_into_tensor_out": ("all_gather", "input", "group_size"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "inputs", "group_size"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"), "reduce_scatter_tensor_out": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
+    "all_to_all_single": ("all_to_all", "input"), "broadcast": ("broadcast", "input"),
+    "broadcast_": ("broadcast", "input"), "isend": ("send", "tensor"), "irecv": ("recv", "tensor"),
+    "batch_p2p_ops": ("send_recv", "tensors")}.items()} | {
+    "_dtensor::shard_dim_alltoall": ("all_to_all", "input")}
+
+_lock = threading.Lock()
+_open: list[CollectiveLog] = []      # the logs of the open blocks (every thread's calls go to all of them)
+_libraries: list = []                # the kernels' registrations, while a block is open
+_awaited: dict[int, list[Call]] = {}  # a functional collective's output (TensorImpl address) -> its calls
+_pending: dict[int, int] = {}        # id(call) -> works of an asynchronous call not yet complete
+
+
 def _nbytes(t) -> int:
     if isinstance(t, torch.Tensor):
         return t.numel() * t.element_size()
     if isinstance(t, (list, tuple)):
         return sum(_nbytes(x) for x in t)
     return 0
-
-
-def _message(function: str, a: dict, world_size: int) -> int:
-    """The message size S of one call from its bound arguments (nccl-tests' conventions)."""
-    if function in ("all_gather_into_tensor", "all_gather_single"):
-        return _nbytes(a.get("output_tensor"))
-    if function == "all_gather":
-        return _nbytes(a.get("tensor_list"))
-    if function in ("reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single"):
-        return _nbytes(a.get("input"))
-    if function == "reduce_scatter":
-        return _nbytes(a.get("input_list"))
-    if function == "all_to_all":
-        return _nbytes(a.get("input_tensor_list"))
-    if function in ("scatter", "gather"):
-        return _nbytes(a.get("tensor")) * world_size
-    if function == "batch_isend_irecv":
-        return sum(_nbytes(op.tensor) for op in a.get("p2p_op_list", ()))
-    if function == "all_reduce_coalesced":
-        return _nbytes(a.get("tensors"))
-    return _nbytes(a.get("tensor"))
 
 
 def _peer(function: str, a: dict) -> int | None:
@@ -216,65 +268,157 @@ def _group_ranks(group) -> tuple[int, ...] | None:
         return None
     try:
         return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    except (RuntimeError, ValueError):     # not a group this rank belongs to: the call itself will say so
+    except (RuntimeError, ValueError, KeyError):   # not a group this rank belongs to: the call itself will say so
         return None
 
 
-def _mark_done(call: Call, result) -> None:
-    """done_s now for a blocking call; when its work's future completes for an asynchronous one."""
-    if not hasattr(result, "get_future"):
-        call.done_s = time.perf_counter()
-        return
-    call.asynchronous = True
-    try:
-        result.get_future().add_done_callback(lambda _, c=call: setattr(c, "done_s", time.perf_counter()))
-    except RuntimeError:             # a backend whose work has no future (done_s stays None)
-        pass
+def _process_group(a: dict):
+    """The op's group: a ProcessGroup (c10d ops), or its name (functional collectives)."""
+    group = a.get("process_group", a.get("group_name"))
+    if isinstance(group, str):
+        return c10d._resolve_process_group(group)
+    return dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+
+
+def _outermost_function(frame):
+    """The outermost frame on the stack running a torch.distributed function: what the caller called."""
+    outer = None
+    while frame is not None:
+        if frame.f_code in _FUNCTIONS:
+            outer = frame
+        frame = frame.f_back
+    return outer
+
+
+def _record(qualname: str, a: dict, frame) -> tuple[list[Call], bool]:
+    """The calls (one per open log) this op belongs to, and whether the caller waits for it (synchronous)."""
+    name, argument, *times = OPS[qualname]
+    outer = _outermost_function(frame)
+    composite = getattr(_state, "composite", None)
+    from_torch = frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR)
+    if outer is None and from_torch and qualname.startswith("c10d::"):
+        return [], False                        # torch's C++ called it (DDP's reducer): count_ddp's
+    group = _process_group(a)
+    world = group.size() if group is not None else 1
+    n_bytes = _nbytes(a.get(argument))
+    if times:                                   # per-rank tensors of gather/scatter, funcol's all-gather input
+        n_bytes *= world if times[0] == "world" else a[times[0]]
+    if outer is not None:
+        function = _FUNCTIONS[outer.f_code]
+        n_bytes = 0 if function in _OBJECTS else n_bytes
+        if composite is not None and composite[0] is outer:     # a further op of the same call: its bytes added
+            for call in composite[1]:
+                call.bytes += n_bytes
+                call.bus_bytes = call.bytes * bus_factor(call.name, call.world_size)
+            return composite[1], function not in _ASYNC
+        local = outer.f_locals
+        name, peer, synchronous = COURSE_NAMES[function], _peer(function, local), \
+            function not in _ASYNC and not local.get("async_op")
+    else:
+        function, peer, synchronous = qualname.replace("::", "."), a.get("dst", a.get("src")), False
+    logs = {id(log): log for log in list(_open)}.values()       # a log open twice records a call once
+    calls = [log.record(name, n_bytes, world, function, peer, _group_ranks(group)) for log in logs]
+    for call in calls:
+        call.asynchronous = not synchronous
+    _state.composite = (outer, calls) if outer is not None and function in _COMPOSITE else None
+    return calls, synchronous
+
+
+def _mark_done(calls: list[Call], result, synchronous: bool) -> None:
+    """done_s: a synchronous call's work is waited for here (the caller's next step); an asynchronous one's when
+    its work's future completes, a functional collective's when its output is waited for (wait_tensor)."""
+    found = [r for r in (result if isinstance(result, (tuple, list)) else [result])
+             if isinstance(r, torch.ScriptObject)]
+    work = c10d.Work.unbox(found[0]) if found else None
+    if synchronous or (work is None and not isinstance(result, (torch.Tensor, list))):
+        if work is not None:
+            work.wait()
+        for call in calls:
+            call.done_s = time.perf_counter()
+    elif work is not None:
+        with _lock:
+            for call in calls:
+                _pending[id(call)] = _pending.get(id(call), 0) + 1
+
+        def done(_, calls=calls):
+            with _lock:
+                for call in calls:
+                    _pending[id(call)] -= 1
+                    if not _pending[id(call)]:
+                        del _pending[id(call)]
+                        call.done_s = time.perf_counter()
+        try:
+            work.get_future().add_done_callback(done)
+        except RuntimeError:          # a backend whose work has no future (done_s stays None)
+            pass
+    else:                             # a functional collective's output, done when waited for
+        for tensor in result if isinstance(result, list) else [result]:
+            _awaited[tensor._cdata] = calls
+
+
+def _kernel(qualname: str, op):
+    names = [argument.name for argument in op._schema.arguments]
+
+    def counting(keyset, *args, **kwargs):
+        if _depth() or not _open:
+            return op.redispatch(keyset & _BELOW, *args, **kwargs)
+        calls, synchronous = _record(qualname, dict(zip(names, args)) | kwargs, sys._getframe(1))
+        with uncounted():                   # a collective built from another is counted once
+            result = op.redispatch(keyset & _BELOW, *args, **kwargs)
+            if calls:
+                _mark_done(calls, result, synchronous)
+        return result
+    return counting
+
+
+def _wait_tensor(op):
+    def waiting(keyset, tensor):
+        result = op.redispatch(keyset & _BELOW, tensor)
+        for call in _awaited.pop(tensor._cdata, ()):
+            call.done_s = time.perf_counter()
+        return result
+    return waiting
+
+
+def _register() -> None:
+    libraries = {}
+    for qualname in (*OPS, "_c10d_functional::wait_tensor"):
+        namespace, name = qualname.split("::")
+        try:
+            op = getattr(getattr(torch.ops, namespace), name).default
+        except (AttributeError, RuntimeError):     # an op this torch does not have
+            continue
+        if namespace not in libraries:
+            libraries[namespace] = torch.library.Library(namespace, "IMPL")
+        kernel = _wait_tensor(op) if name == "wait_tensor" else _kernel(qualname, op)
+        libraries[namespace].impl(name, kernel, "BackendSelect", with_keyset=True)
+    _libraries.extend(libraries.values())
 
 
 @contextlib.contextmanager
 def count_collectives(log: CollectiveLog | None = None) -> Iterator[CollectiveLog]:
-    """Record every torch.distributed communication call made inside the block (in this process).
+    """Record every communication call made inside the block, in this process (all its threads).
 
-    Both ``torch.distributed.<name>`` and ``torch.distributed.distributed_c10d.<name>`` are wrapped, so
-    ``dist.all_reduce(...)`` and library code are seen; a function bound by ``from torch.distributed import
-    all_reduce`` before the block is not. The calls run unchanged. Blocks do not nest.
+    Seen however the collective was called: ``dist.all_reduce``, a name bound by ``from torch.distributed import
+    all_reduce``, ``torch.distributed.distributed_c10d.all_reduce``, a ProcessGroup method, functional
+    collectives, DTensor's redistribution; DDP's reducer is not (``count_ddp``). The calls run unchanged.
+    Blocks may nest: a call is recorded in the log of every open block.
     """
     log = CollectiveLog() if log is None else log
-    replaced = []
-    for module in (dist, c10d):
-        for function in COURSE_NAMES:
-            original = getattr(module, function, None)
-            if original is None or getattr(original, "_lablib_counting", False):
-                continue
-            signature = inspect.signature(original)
-
-            def counting(*args, _function=function, _original=original, _signature=signature, **kwargs):
-                try:
-                    bound = _signature.bind_partial(*args, **kwargs).arguments
-                except TypeError:          # a wrong call: torch's own error says what is wrong with it
-                    bound = None
-                call = None
-                if _depth() == 0 and bound is not None:
-                    group = bound.get("group")
-                    world = dist.get_world_size(group) if dist.is_initialized() else 1
-                    name = COURSE_NAMES[_function]
-                    call = log.record(name, _message(_function, bound, world), world, _function,
-                                      _peer(_function, bound), _group_ranks(group))
-                with uncounted():
-                    result = _original(*args, **kwargs)
-                if call is not None:
-                    _mark_done(call, result)
-                return result
-
-            counting._lablib_counting = True
-            setattr(module, function, counting)
-            replaced.append((module, function, original))
+    with _lock:
+        if not _open:
+            _register()
+        _open.append(log)
     try:
         yield log
     finally:
-        for module, function, original in reversed(replaced):
-            setattr(module, function, original)
+        _state.composite = None
+        with _lock:
+            del _open[next(i for i, open_log in enumerate(_open) if open_log is log)]
+            if not _open:
+                while _libraries:
+                    _libraries.pop()._destroy()
+                _awaited.clear()
 
 
 # --- DDP: its reducer all-reduces in C++, so a communication hook records each bucket ------------------------

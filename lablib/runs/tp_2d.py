@@ -79,7 +79,7 @@ def run(env, config: Config) -> dict:
         sgd_step_(model.parameters(), config.lr)
         losses = gather_objects(float(local), env)
         out["losses"]["2d"].append(sum(losses) / len(losses))
-        out["comm"].append({"fsdp": dict(Counter(c.name for c in log.calls)),
+        out["comm"].append({"fsdp": dict(Counter(c.name for c in log.calls if not c.functional)),   # not DTensor's
                             "comm_debug_mode": {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}})
     return out
 

@@ -105,10 +105,11 @@ def run(env, config: Config) -> dict:
                         loss.backward()
                 if phase == "forward" and step == 0:
                     out["saved_activation_bytes"][name] = saved.bytes
-                # Collectives the course's code calls are in lablib.counting's log; DTensor's (functional
-                # collectives, below torch.distributed's Python functions) only in CommDebugMode's counts.
-                counts = dict(Counter(c.name for c in log.calls)) if log.calls else _comm_counts(mode)
-                comm[phase].append({"counts": counts, "bytes": log.bytes() if log.calls else None})
+                # Collectives the course's code calls are from lablib.counting's log; DTensor's (functional
+                # collectives) from CommDebugMode's counts, as the notebook labels them.
+                mine = [c for c in log.calls if not c.functional]
+                counts = dict(Counter(c.name for c in mine)) if mine else _comm_counts(mode)
+                comm[phase].append({"counts": counts, "bytes": sum(c.bytes for c in mine) if mine else None})
             losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
             if step == 0:
                 grads = tensor_parallel.full_gradients(model, group, 1 if name == "single" else tp)
