@@ -159,8 +159,9 @@ def open_notebook(page):
 # The notebook's code cells as JupyterLab's model holds them (what Ctrl+S would save): execution count, whether
 # running or queued, and the error outputs (output_type 'error': an exception, never a warning printed on
 # stderr nor the traceback of a torchrun worker that a cell prints on purpose), with the kernel's status.
+PANEL_JS = "const panel = [...window.jupyterapp.shell.widgets('main')].find(w => w.context && w.context.path === path);"
 RUN_STATE_JS = """path => {
-  const panel = [...window.jupyterapp.shell.widgets('main')].find(w => w.context && w.context.path === path);
+  """ + PANEL_JS + """
   if (!panel || !panel.sessionContext) return null;
   const cells = [];
   panel.content.widgets.forEach((cell, index) => {
@@ -199,10 +200,10 @@ def error_report(state: dict, lines: int = 25) -> str:
 def wait_for_cells(page, path: str, count: int, limit_s: float, errors_fail: bool = True) -> float:
     """Until the first `count` code cells of notebook `path` have run and the kernel is idle; the seconds it took.
     Fails at once, naming the cell and its error, when a cell raised (unless errors_fail is False: a student's
-    unwritten exercise), and after STOPPED_S s when the kernel is idle or dead with none of the cells left
-    running or queued (Run All stops at an error; a kernel that died stops everything)."""
+    unwritten exercise), and after STOPPED_S s when, the run having started, the kernel is idle or dead with none
+    of the cells left running or queued (Run All stops at an error; a kernel that died stops everything)."""
     t0 = time.monotonic()
-    stopped_since = None
+    started, stopped_since = False, None
     while True:
         state = run_state(page, path)
         cells = state["cells"][:count]
@@ -214,14 +215,24 @@ def wait_for_cells(page, path: str, count: int, limit_s: float, errors_fail: boo
         busy = state["kernel"] not in ("idle", "dead") or any(cell["running"] for cell in state["cells"])
         if not busy and len(cells) == count and not unrun:
             return time.monotonic() - t0
-        stopped_since = None if busy else stopped_since or time.monotonic()
+        started = started or busy or len(unrun) < len(cells)
+        stopped_since = None if busy or not started else stopped_since or time.monotonic()
         if stopped_since and time.monotonic() - stopped_since > STOPPED_S:
             pytest.fail(f"{path}: the run stopped (kernel {state['kernel']}, nothing running or queued) with cells "
                         f"{unrun} of {len(state['cells'])} code cells never run"
                         + (f"; errors:\n{error_report(state)}" if any(c["errors"] for c in cells) else ""))
         if time.monotonic() - t0 > limit_s:
-            pytest.fail(f"{path}: cells still running after {limit_s:.0f} s; not yet run: {unrun}")
+            pytest.fail(f"{path}: cells still running after {limit_s:.0f} s; not yet run: {unrun}" if started else
+                        f"{path}: in {limit_s:.0f} s no cell started (kernel {state['kernel']})")
         time.sleep(1)
+
+
+def run_all(page) -> None:
+    """Open the notebook and run all its cells, from JupyterLab's Run menu."""
+    open_notebook(page)
+    page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
 
 
 def shoot(page, name: str, element=None) -> Path:
@@ -281,6 +292,15 @@ def test_student_sees_the_course_message_not_a_traceback_wall(student_check):
     assert len(student_check.splitlines()) <= 15, f"a traceback wall of {len(student_check.splitlines())} lines"
 
 
+@contextmanager
+def shut_down_after(page, path: str):
+    """Shut the notebook's kernel down at the end (with LABS_BROWSER_LAB=all, eleven kernels would stay up)."""
+    try:
+        yield
+    finally:
+        page.evaluate(f"path => {{ {PANEL_JS} return panel && panel.sessionContext.shutdown(); }}", path)
+
+
 def controls_of(lab: str) -> set[str]:
     """How the test drives each ipywidgets control that lab's solution creates (SLIDER, DROPDOWN, TOGGLE)."""
     source = "\n".join(c.source for c in labkit.read(lab).cells if c.cell_type == "code")
@@ -324,11 +344,9 @@ def test_solution_runs_in_the_browser_with_plots_and_live_widgets(course, browse
     print(f"browser lab {lab}: {BROWSER_WHY}")
     path, t0 = f"{lab}/{lab}.ipynb", time.perf_counter()
     base, token = instructor_lab
-    with page_of(browser, base, token, f"/lab/tree/{path}") as page:
-        open_notebook(page)
-        page.locator(".jp-NotebookPanel .jp-Cell").first.click()
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
+    # A workspace of its own: JupyterLab would otherwise reopen the notebooks of the labs run before it.
+    with page_of(browser, base, token, f"/lab/workspaces/browser-{lab}/tree/{path}") as page, shut_down_after(page, path):
+        run_all(page)
         code_cells = sum(1 for c in labkit.read(lab).cells if c.cell_type == "code")
         try:
             wait_for_cells(page, path, code_cells, RUN_LIMIT_S)
@@ -379,6 +397,39 @@ def test_solution_runs_in_the_browser_with_plots_and_live_widgets(course, browse
             wait_for_cells(page, path, code_cells, 60)   # the kernel is idle again: the last redraw has arrived
             shoot(page, f"solution_{lab}_{name}_after", widget)
             print(f"{lab}: its {kind} redrew the figure in {time.perf_counter() - t1:.1f} s")
+
+
+# Before: a cell that raised stopped Run All and the test waited out RUN_LIMIT_S (600 s) for prompts that never came.
+PLANTED = {"raises": ("raise ValueError('planted in the browser test')",
+                      "cell 1 (code cell 2, In [2]) raised ValueError: planted in the browser test"),
+           # the pause lets the kernel send the first cell's reply before it dies
+           "kernel_dies": ("import os, time; time.sleep(1); os._exit(1)", "cells [1, 2] of 3 code cells never run")}
+
+
+@pytest.mark.parametrize("case", PLANTED)
+def test_a_stopped_run_fails_the_wait_at_once(course, browser, instructor_lab, case):
+    """A notebook whose second cell raises (or kills its kernel), run all in the browser: wait_for_cells fails
+    within seconds, naming the cell and the error, instead of waiting out its limit."""
+    planted, expected = PLANTED[case]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in
+                                               ("print('first')", planted, "print('never reached')")],
+                                        metadata={"kernelspec": labkit.read(labkit.labs()[0]).metadata.kernelspec})
+    path = f"failfast_{case}.ipynb"   # beside the labs, not in one: Formgrader takes folders for assignments
+    nbformat.write(notebook, course / "solutions" / path)
+    base, token = instructor_lab
+    try:
+        with page_of(browser, base, token, f"/lab/workspaces/failfast-{case}/tree/{path}") as page, \
+                shut_down_after(page, path):
+            run_all(page)
+            t0 = time.monotonic()
+            with pytest.raises(pytest.fail.Exception) as failed:
+                wait_for_cells(page, path, 3, limit_s=120)
+            seconds = time.monotonic() - t0
+    finally:
+        (course / "solutions" / path).unlink()
+    print(f"{case}: reported in {seconds:.1f} s:\n{failed.value}")
+    assert expected in str(failed.value), f"the failure should say {expected!r}; it said {failed.value}"
+    assert seconds < STOPPED_S + 20, f"the wait took {seconds:.0f} s to see the run had stopped"
 
 
 # Found on the first run: on a fresh clone grading/ did not exist, the gradebook could not be opened,
