@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lablib import data, distenv, models
+from lablib import data, distenv, models, processes
 
 LOG_FILE = "log.jsonl"
 MARKER = "checkpoint saved at step"   # rank 0 prints "checkpoint saved at step N" after each complete save
@@ -302,6 +302,7 @@ def play_fault(fault: Fault | None, step: int, rank: int, attempt: int, folder) 
         return
     fault_file(folder, attempt, rank).write_text(json.dumps({"kind": fault.kind, "step": step, "t": time.time()}))
     if fault.kind == "kill":
+        processes.record_deliberate_kill(os.getpid(), f"fault kill: rank {rank} at step {step} on attempt {attempt}")
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "stop":
         raise Stopped(f"stopped after step {step}")
