@@ -203,7 +203,8 @@ def uncounted() -> Iterator[None]:
 # The name is the outermost torch.distributed function on the Python stack (all_gather_object, not the two
 # all_gathers it issues); an op with none is named by the op. A c10d op that no torch.distributed function and
 # no code outside torch called is torch's C++ at work (DDP's reducer from autograd's engine, its constructor's
-# checks): it is left to count_ddp, as before.
+# checks): it is left to count_ddp, as before. A call made with no process group reaches no op: it is recorded
+# where it fails, in c10d._get_default_group (distributed_c10d.py:1420, reached by every function then).
 
 _BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -244,7 +245,9 @@ _lock = threading.Lock()
 _open: list[CollectiveLog] = []      # the logs of the open blocks (every thread's calls go to all of them)
 _libraries: list = []                # the kernels' registrations, while a block is open
 _awaited: dict[int, list[Call]] = {}  # a functional collective's output (TensorImpl address) -> its calls
-_pending: dict[int, int] = {}        # id(call) -> works of an asynchronous call not yet complete
+_waiting: dict[int, tuple] = {}      # id(Work) -> (the Work, its calls, whether it has a future)
+_pending: dict[int, int] = {}        # id(call) -> its works not yet done
+_get_default_group, _work_wait = c10d._get_default_group, c10d.Work.wait
 
 
 def _nbytes(t) -> int:
@@ -253,6 +256,27 @@ def _nbytes(t) -> int:
     if isinstance(t, (list, tuple)):
         return sum(_nbytes(x) for x in t)
     return 0
+
+
+def _message(function: str, a: dict, world_size: int) -> int:
+    """The message size S of a torch.distributed function's call, from its arguments (nccl-tests' conventions)."""
+    if function in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
+        return _nbytes(a.get("output_tensor"))
+    if function in ("all_gather", "all_gather_coalesced"):
+        return _nbytes(a.get("tensor_list", a.get("output_tensor_lists")))
+    if function in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "all_to_all_single"):
+        return _nbytes(a.get("input"))
+    if function == "reduce_scatter":
+        return _nbytes(a.get("input_list"))
+    if function == "all_to_all":
+        return _nbytes(a.get("input_tensor_list"))
+    if function in ("scatter", "gather"):
+        return _nbytes(a.get("tensor")) * world_size
+    if function == "batch_isend_irecv":
+        return sum(_nbytes(op.tensor) for op in a.get("p2p_op_list", ()))
+    if function == "all_reduce_coalesced":
+        return _nbytes(a.get("tensors"))
+    return 0 if function in _OBJECTS else _nbytes(a.get("tensor"))
 
 
 def _peer(function: str, a: dict) -> int | None:
@@ -290,70 +314,113 @@ def _outermost_function(frame):
     return outer
 
 
-def _record(qualname: str, a: dict, frame) -> tuple[list[Call], bool]:
-    """The calls (one per open log) this op belongs to, and whether the caller waits for it (synchronous)."""
-    name, argument, *times = OPS[qualname]
-    outer = _outermost_function(frame)
-    composite = getattr(_state, "composite", None)
-    from_torch = frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR)
-    if outer is None and from_torch and qualname.startswith("c10d::"):
-        return [], False                        # torch's C++ called it (DDP's reducer): count_ddp's
-    group = _process_group(a)
+def _record(name: str, n_bytes: int, group, function: str, peer, asynchronous: bool) -> list[Call]:
+    """One call in the log of every open block (a log open twice records it once)."""
     world = group.size() if group is not None else 1
-    n_bytes = _nbytes(a.get(argument))
-    if times:                                   # per-rank tensors of gather/scatter, funcol's all-gather input
-        n_bytes *= world if times[0] == "world" else a[times[0]]
-    if outer is not None:
-        function = _FUNCTIONS[outer.f_code]
-        n_bytes = 0 if function in _OBJECTS else n_bytes
-        if composite is not None and composite[0] is outer:     # a further op of the same call: its bytes added
-            for call in composite[1]:
-                call.bytes += n_bytes
-                call.bus_bytes = call.bytes * bus_factor(call.name, call.world_size)
-            return composite[1], function not in _ASYNC
-        local = outer.f_locals
-        name, peer, synchronous = COURSE_NAMES[function], _peer(function, local), \
-            function not in _ASYNC and not local.get("async_op")
-    else:
-        function, peer, synchronous = qualname.replace("::", "."), a.get("dst", a.get("src")), False
-    logs = {id(log): log for log in list(_open)}.values()       # a log open twice records a call once
-    calls = [log.record(name, n_bytes, world, function, peer, _group_ranks(group)) for log in logs]
+    calls = [log.record(name, n_bytes, world, function, peer, _group_ranks(group))
+             for log in {id(log): log for log in list(_open)}.values()]
     for call in calls:
-        call.asynchronous = not synchronous
-    _state.composite = (outer, calls) if outer is not None and function in _COMPOSITE else None
-    return calls, synchronous
+        call.asynchronous = asynchronous
+    return calls
 
 
-def _mark_done(calls: list[Call], result, synchronous: bool) -> None:
-    """done_s: a synchronous call's work is waited for here (the caller's next step); an asynchronous one's when
-    its work's future completes, a functional collective's when its output is waited for (wait_tensor)."""
-    found = [r for r in (result if isinstance(result, (tuple, list)) else [result])
-             if isinstance(r, torch.ScriptObject)]
-    work = c10d.Work.unbox(found[0]) if found else None
-    if synchronous or (work is None and not isinstance(result, (torch.Tensor, list))):
-        if work is not None:
-            work.wait()
-        for call in calls:
-            call.done_s = time.perf_counter()
-    elif work is not None:
-        with _lock:
-            for call in calls:
-                _pending[id(call)] = _pending.get(id(call), 0) + 1
+def _record_function(outer, group) -> list[Call]:
+    """The calls of the torch.distributed function running in frame outer, recorded at its first op (one that
+    issues several, all_gather_object or batch_isend_irecv, is one call), its bytes from its arguments."""
+    function = _FUNCTIONS[outer.f_code]
+    composite = getattr(_state, "composite", None)
+    if composite is not None and composite[0] is outer:
+        return composite[1]
+    a = outer.f_locals
+    world = group.size() if group is not None else 1
+    calls = _record(COURSE_NAMES[function], _message(function, a, world), group, function, _peer(function, a),
+                    function in _ASYNC or bool(a.get("async_op")))
+    _state.composite = (outer, calls) if function in _COMPOSITE else None     # (held until the thread's next op)
+    return calls
 
-        def done(_, calls=calls):
-            with _lock:
-                for call in calls:
-                    _pending[id(call)] -= 1
-                    if not _pending[id(call)]:
-                        del _pending[id(call)]
-                        call.done_s = time.perf_counter()
-        try:
-            work.get_future().add_done_callback(done)
-        except RuntimeError:          # a backend whose work has no future (done_s stays None)
-            pass
-    else:                             # a functional collective's output, done when waited for
+
+def _record_op(qualname: str, a: dict, frame) -> list[Call]:
+    """The calls an op belongs to: a torch.distributed function's, else the op's own."""
+    outer = _outermost_function(frame)
+    group = _process_group(a)
+    if outer is not None:
+        return _record_function(outer, group)
+    if qualname.startswith("c10d::") and (frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR)):
+        return []                                # torch's C++ called it (DDP's reducer): count_ddp's
+    name, argument, *times = OPS[qualname]       # a functional collective, DTensor, a ProcessGroup method
+    n_bytes = _nbytes(a.get(argument))
+    if times:                                    # per-rank tensors of gather/scatter, funcol's all-gather input
+        n_bytes *= group.size() if times[0] == "world" else a[times[0]]
+    return _record(name, n_bytes, group, qualname.replace("::", "."), a.get("dst", a.get("src")), True)
+
+
+# --- when a call is done -----------------------------------------------------------------------------------------
+# A c10d op returns its Work: the call is done when that work is waited for (.wait() returns: the torch.distributed
+# function's own wait for a synchronous call, the caller's for an asynchronous one) or its future completes,
+# whichever is first (gloo's send and recv have no future). A functional collective is done when its output is
+# waited for (wait_tensor). A work is waited for once: gloo's send would wait for a second send otherwise.
+
+def _work_done(key: int) -> None:
+    now = time.perf_counter()
+    with _lock:
+        _, calls, _ = _waiting.pop(key, (None, (), None))
+        for call in calls:               # a call of several works (batch_isend_irecv) is done with its last
+            _pending[id(call)] -= 1
+            if not _pending[id(call)]:
+                del _pending[id(call)]
+                call.done_s = now
+
+
+def _mark_done(calls: list[Call], result) -> None:
+    if isinstance(result, (torch.Tensor, list)):          # a functional collective's output(s)
         for tensor in result if isinstance(result, list) else [result]:
             _awaited[tensor._cdata] = calls
+        return
+    found = [r for r in (result if isinstance(result, tuple) else [result]) if isinstance(r, torch.ScriptObject)]
+    if not found:                                          # monitored_barrier: done when it returns
+        for call in calls:
+            call.done_s = time.perf_counter()
+        return
+    work = c10d.Work.unbox(found[0])     # the Work the caller gets (held here, the same object)
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        future = None
+    with _lock:
+        _waiting[id(work)] = (work, calls, future is not None)
+        for call in calls:
+            _pending[id(call)] = _pending.get(id(call), 0) + 1
+    if future is not None:
+        future.add_done_callback(lambda _, key=id(work): _work_done(key))
+
+
+def _waited(work, *args, **kwargs):
+    """Work.wait while a block is open."""
+    result = _work_wait(work, *args, **kwargs)
+    if _waiting:
+        _work_done(id(work))
+    return result
+
+
+def _awaited_tensor(op):
+    def wait_tensor(keyset, tensor):
+        result = op.redispatch(keyset & _BELOW, tensor)
+        for call in _awaited.pop(tensor._cdata, ()):
+            call.done_s = time.perf_counter()
+        return result
+    return wait_tensor
+
+
+# --- installing the layer while a block is open ------------------------------------------------------------------
+
+def _no_default_group():
+    """c10d._get_default_group while a block is open. Every torch.distributed function called with no process
+    group fails there, before any op (lab 02's rehearsal runs ranks as threads, and reports such calls)."""
+    if not dist.is_initialized() and not _depth() and _open:
+        outer = _outermost_function(sys._getframe(1))
+        if outer is not None:
+            _record_function(outer, None)
+    return _get_default_group()
 
 
 def _kernel(qualname: str, op):
@@ -362,25 +429,16 @@ def _kernel(qualname: str, op):
     def counting(keyset, *args, **kwargs):
         if _depth() or not _open:
             return op.redispatch(keyset & _BELOW, *args, **kwargs)
-        calls, synchronous = _record(qualname, dict(zip(names, args)) | kwargs, sys._getframe(1))
+        calls = _record_op(qualname, dict(zip(names, args)) | kwargs, sys._getframe(1))
         with uncounted():                   # a collective built from another is counted once
             result = op.redispatch(keyset & _BELOW, *args, **kwargs)
-            if calls:
-                _mark_done(calls, result, synchronous)
+        if calls:
+            _mark_done(calls, result)
         return result
     return counting
 
 
-def _wait_tensor(op):
-    def waiting(keyset, tensor):
-        result = op.redispatch(keyset & _BELOW, tensor)
-        for call in _awaited.pop(tensor._cdata, ()):
-            call.done_s = time.perf_counter()
-        return result
-    return waiting
-
-
-def _register() -> None:
+def _install() -> None:
     libraries = {}
     for qualname in (*OPS, "_c10d_functional::wait_tensor"):
         namespace, name = qualname.split("::")
@@ -390,9 +448,19 @@ def _register() -> None:
             continue
         if namespace not in libraries:
             libraries[namespace] = torch.library.Library(namespace, "IMPL")
-        kernel = _wait_tensor(op) if name == "wait_tensor" else _kernel(qualname, op)
+        kernel = _awaited_tensor(op) if name == "wait_tensor" else _kernel(qualname, op)
         libraries[namespace].impl(name, kernel, "BackendSelect", with_keyset=True)
     _libraries.extend(libraries.values())
+    c10d._get_default_group, c10d.Work.wait = _no_default_group, _waited
+
+
+def _uninstall() -> None:
+    c10d._get_default_group, c10d.Work.wait = _get_default_group, _work_wait
+    while _libraries:
+        _libraries.pop()._destroy()
+    _awaited.clear()
+    for key in [key for key, (_, _, has_future) in _waiting.items() if not has_future]:
+        _waiting.pop(key)                # never waited for in the block: done_s stays None
 
 
 @contextlib.contextmanager
@@ -407,7 +475,7 @@ def count_collectives(log: CollectiveLog | None = None) -> Iterator[CollectiveLo
     log = CollectiveLog() if log is None else log
     with _lock:
         if not _open:
-            _register()
+            _install()
         _open.append(log)
     try:
         yield log
@@ -416,9 +484,7 @@ def count_collectives(log: CollectiveLog | None = None) -> Iterator[CollectiveLo
         with _lock:
             del _open[next(i for i, open_log in enumerate(_open) if open_log is log)]
             if not _open:
-                while _libraries:
-                    _libraries.pop()._destroy()
-                _awaited.clear()
+                _uninstall()
 
 
 # --- DDP: its reducer all-reduces in C++, so a communication hook records each bucket ------------------------

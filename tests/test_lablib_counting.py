@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed import all_reduce
 
 from lablib import counting, launch
 
@@ -31,13 +33,17 @@ def test_nothing_is_patched_and_the_layer_is_there_only_inside_a_block():
     def intercepted():     # lablib.counting's kernel, in front of the c10d op's CPU and CUDA kernels
         return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "BackendSelect")
 
-    original = dist.all_reduce
+    original, get_default_group = dist.all_reduce, c10d._get_default_group
     assert not intercepted()
-    with counting.count_collectives() as outer, counting.count_collectives(outer), counting.count_collectives():
+    with counting.count_collectives() as outer, counting.count_collectives(outer), counting.count_collectives() as other:
         assert intercepted() and dist.all_reduce is original
-        with pytest.raises(ValueError):        # no process group: it fails before any communication, unrecorded
-            dist.all_reduce(torch.zeros(3, dtype=torch.float64))
-    assert not intercepted() and dist.all_reduce is original and outer.calls == []
+        with counting.uncounted(), pytest.raises(ValueError):
+            dist.all_reduce(torch.zeros(2))
+        with pytest.raises(ValueError):        # no process group: it fails before any op, and is recorded (once)
+            all_reduce(torch.zeros(3, dtype=torch.float64))
+    assert not intercepted() and dist.all_reduce is original and c10d._get_default_group is get_default_group
+    assert [(c.name, c.bytes, c.function) for c in outer.calls] == [("all_reduce", 24, "all_reduce")]
+    assert other.count() == 1 and outer.calls[0].ranks is None
 
 
 def test_calls_are_grouped_by_their_group_ranks():
@@ -83,6 +89,7 @@ def test_every_collective_and_ddp_on_two_ranks(two_ranks):
     assert out["ddp_bucket"] == {"phase": "backward", "asynchronous": True, "in_order": True}
     assert out["async"] == {"asynchronous": True, "phase": "async", "done": True}
     assert all(c["launched_s"] <= c["done_s"] for c in out["calls"] if not c["asynchronous"])
+    assert calls["isend"]["done_s"] >= calls["isend"]["launched_s"]     # gloo's send has no future: when waited for
 
 
 # However a correct answer spells the collective, it is recorded, named by what the caller called (each of these
