@@ -90,10 +90,12 @@ def bus_factor(name: str, world_size: int) -> float:
 class Call:
     """One recorded call: the course's ``name``, torch's ``function``, the message size ``bytes`` (S, see the
     module docstring), the ranks in its group, ``bus_bytes`` = S x bus_factor, the peer of a send/recv, and
-    when it ran (``time.perf_counter`` seconds): ``launched_s`` when it was called, ``done_s`` when it
-    returned or, for an asynchronous call (``async_op=True``, isend/irecv), when its work completed (None
-    while pending, or when the backend's work has no future). ``phase`` is the log's ``phase`` at launch (a
-    label the caller sets, e.g. "backward"), for timelines. ``ranks``: the global ranks of the call's group."""
+    when it ran (``time.perf_counter`` seconds): ``launched_s`` when it was called, ``done_s`` when its work
+    completed: ``.wait()`` returned on it (a synchronous call's own wait, as it returns) or its future completed,
+    whichever first; a functional collective's when its output was waited for (None while pending).
+    ``asynchronous``: ``async_op=True``, isend/irecv, a functional collective. ``phase`` is the log's ``phase`` at
+    launch (a label the caller sets, e.g. "backward"), for timelines. ``ranks``: the global ranks of the call's
+    group."""
 
     name: str
     bytes: int

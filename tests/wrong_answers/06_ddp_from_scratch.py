@@ -91,6 +91,21 @@ WRONG_ANSWERS = {
 # A correct variant runs every test cell (a torchrun start each); the one here takes the other branch the
 # contract allows for a parameter without a gradient (refuse, clearly, instead of sending zeros).
 CORRECT_VARIANTS = {
+    # The collectives spelled other ways: counted all the same (lablib.counting counts torch's ops, not names).
+    "ddp_individual": [
+        ("all_reduce and broadcast imported by name (from torch.distributed import ...)", _changed(
+            "ddp_individual", ("import torch.distributed as dist\n",
+                               "import torch.distributed as dist\nfrom torch.distributed import all_reduce, broadcast\n"),
+            ("                dist.broadcast(tensor, src=0)", "                broadcast(tensor, src=0)"),
+            ("self.handles.append(dist.all_reduce(param.grad, async_op=True))",
+             "self.handles.append(all_reduce(param.grad, async_op=True))"))),
+        ("torch.distributed spelled in full, no alias", _changed(
+            "ddp_individual", ("import torch.distributed as dist\n", "import torch.distributed\n"),
+            ("self.world_size = dist.get_world_size()", "self.world_size = torch.distributed.get_world_size()"),
+            ("                dist.broadcast(tensor, src=0)", "                torch.distributed.broadcast(tensor, src=0)"),
+            ("self.handles.append(dist.all_reduce(param.grad, async_op=True))",
+             "self.handles.append(torch.distributed.all_reduce(param.grad, async_op=True))"))),
+    ],
     "assign_buckets": [
         ("builds the buckets from the boundaries", '''
 %%writefile buckets_impl.py

@@ -55,3 +55,23 @@ WRONG_ANSWERS = {
         ("counts the backward's all-reduces too", _changed("forward_bytes_answer", ('"a"', '"b"'))),
     ],
 }
+
+# f and g with the all-reduce spelled other ways: counted all the same (lablib.counting counts torch's ops, not
+# names; a name imported from torch.distributed was once missed, "no all-reduce was called").
+CORRECT_VARIANTS = {
+    "tp_f_g": [
+        ("all_reduce imported by name (from torch.distributed import all_reduce)", _changed(
+            "tp_f_g", ("import torch.distributed as dist\n",
+                       "import torch.distributed as dist\nfrom torch.distributed import all_reduce\n"),
+            ("        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)",
+             "        all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)"),
+            ("        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)",
+             "        all_reduce(total, op=dist.ReduceOp.SUM, group=group)"))),
+        ("torch.distributed spelled in full, no alias", _changed(
+            "tp_f_g", ("import torch.distributed as dist\n", "import torch.distributed\n"),
+            ("        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)",
+             "        torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.SUM, group=ctx.group)"),
+            ("        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)",
+             "        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)"))),
+    ],
+}
