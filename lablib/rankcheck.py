@@ -5,7 +5,9 @@
 - every rank ends with the same weights (``weight_spread``: 0.0 when they are bit-identical);
 - a parallel run ends where a single-process reference does (``max_abs_diff`` of two models' weights).
 
-They read what happened; they do not know how the sampler or the wrapper was written.
+They read what happened; they do not know how the sampler or the wrapper was written. How close "ends where" must
+be is derived, never picked: ``gamma`` (n roundings), ``formula_rtol`` (two evaluations of one formula) and
+``sgd_rounding_bound`` (two SGD runs whose sums differ in order) give the course's tolerances from the arithmetic.
 """
 
 from __future__ import annotations
@@ -65,6 +67,34 @@ def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24   # u: a float32 addition or product rounds with relative error at most u
+FP64_UNIT_ROUNDOFF = 2.0 ** -53   # the same for float64 (Python's float, NumPy's default)
+
+
+def gamma(n: int, unit_roundoff: float = FP32_UNIT_ROUNDOFF) -> float:
+    """gamma_n = n u / (1 - n u): n roundings, each a factor (1 + d) with |d| <= u, multiply a result by at most
+    1 + gamma_n and at least 1 - gamma_n (Higham, Accuracy and Stability of Numerical Algorithms, Lemma 3.1)."""
+    n_u = n * unit_roundoff
+    if n_u >= 1:
+        raise ValueError(f"n={n} roundings are too many for unit roundoff {unit_roundoff}: n u >= 1")
+    return n_u / (1 - n_u)
+
+
+def formula_rtol(roundings: int, condition: float = 1.0, unit_roundoff: float = FP64_UNIT_ROUNDOFF) -> float:
+    """Relative tolerance between two floating-point evaluations of one real formula from the same inputs (a graded
+    answer and the check's value), which may order and group the operations differently.
+
+    ``roundings``: how many roundings can reach the result in either evaluation (each operation adds one, the
+    factors of a product or quotient add their counts, a sum of positive terms keeps its largest; a decimal
+    literal such as 0.045 counts one, its conversion to binary), Higham's theta_n counting (Lemma 3.3).
+    ``condition``: how much the formula can magnify one relative rounding error of an intermediate: 1 when no
+    subtraction cancels (sums of positive terms, products, quotients), ``|a| / |a - b|`` for a difference of
+    computed numbers. Each evaluation is then within c gamma_n of the exact value, so the two are within
+    2 c gamma_n / (1 - c gamma_n) of each other.
+    """
+    cg = condition * gamma(roundings, unit_roundoff)
+    if cg >= 1:
+        raise ValueError(f"condition {condition} x gamma_{roundings} = {cg} >= 1: no relative bound")
+    return 2 * cg / (1 - cg)
 
 
 def sgd_rounding_bound(steps: int, lr: float, longest_sum: int, max_grad: float, max_weight: float,
@@ -84,8 +114,4 @@ def sgd_rounding_bound(steps: int, lr: float, longest_sum: int, max_grad: float,
     difference can switch one sample's pre-activation to the other side and change the gradient by that
     sample's whole contribution.
     """
-    n_u = longest_sum * unit_roundoff
-    if n_u >= 1:
-        raise ValueError(f"longest_sum={longest_sum} is too long for unit roundoff {unit_roundoff}: n u >= 1")
-    gamma = n_u / (1 - n_u)
-    return steps * (lr * gamma * max_grad + 2 * unit_roundoff * max_weight)
+    return steps * (lr * gamma(longest_sum, unit_roundoff) * max_grad + 2 * unit_roundoff * max_weight)
