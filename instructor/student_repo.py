@@ -52,8 +52,15 @@ def protected_lines() -> dict[str, str]:
     return protected
 
 
+# Code that reaches the instructor's package (its answer-equal references above all): a shipped module or cell that
+# imports it would either fail for the student or, were the package ever shipped, hand over the references.
+REACHES_INSTRUCTOR = re.compile(r"^\s*(?:from\s+instructor\b|import\s+instructor\b)|\binstructor\.references\b|"
+                                r"\bimportlib\.import_module\(\s*[\"']instructor\b", re.M)
+
+
 def audit(root: Path) -> list[str]:
-    """'path: what' for each file under root that holds a solution or hidden-test line, or their markers."""
+    """'path: what' for each file under root that holds a solution or hidden-test line, their markers, or code
+    that reaches the instructor's package (``instructor.references``: the hidden tests' answer-equal references)."""
     protected = protected_lines()
     found = []
     for path in sorted(p for p in root.rglob("*") if p.is_file() and ".git" not in p.relative_to(root).parts):
@@ -63,6 +70,9 @@ def audit(root: Path) -> list[str]:
         for marker in MARKERS:
             if marker in text:
                 found.append(f"{path.relative_to(root)}: marker {marker!r}")
+        if path.suffix in (".py", ".ipynb") and REACHES_INSTRUCTOR.search(text):
+            found.append(f"{path.relative_to(root)}: reaches the instructor's package: "
+                         f"{REACHES_INSTRUCTOR.search(text).group(0).strip()!r}")
         for line in text.splitlines():
             if line.strip() in protected:
                 found.append(f"{path.relative_to(root)}: a line of {protected[line.strip()]}'s answers: {line.strip()!r}")

@@ -36,6 +36,37 @@ def test_it_holds_the_labs_and_what_runs_them_and_nothing_else(built):
     assert len(log.stdout.splitlines()) == 1, "one commit, no history from the course repository"
 
 
+# Every module the student repository ships. A module added to lablib/ must be added here on purpose, after
+# asking whether it can answer a graded exercise (answer-equal references belong in instructor/references/).
+SHIPPED_MODULES = {
+    "lablib": ["__init__", "activation_checkpointing", "benchmark", "checkpointing", "checks", "commcost", "config",
+               "counting", "data", "ddp_probes", "distenv", "exercise", "ft_probes", "launch", "memory", "models",
+               "multinode", "p2p", "pipeline", "pipeline_probes", "plots", "probes", "processes", "rankcheck",
+               "rehearsal", "scaling", "script", "supervisor", "tensor_parallel", "timing", "tp_probes", "training",
+               "zero3_probes", "zero_probes"],
+    "lablib/runs": ["__init__", "amdahl_scaling", "collectives", "collectives_job", "ddp_overlap", "ddp_scratch",
+                    "fault_tolerance", "gpt_migration", "grad_accum", "hello", "pipeline", "pipeline_torch",
+                    "ring_allreduce", "tensor_parallel", "tp_2d", "tp_gpt", "zero_memory", "zero_scratch", "zero_stages"],
+}
+
+
+def test_it_ships_exactly_the_listed_modules(built):
+    shipped = {}
+    for path in sorted(built.rglob("*.py")):
+        shipped.setdefault(str(path.parent.relative_to(built)), []).append(path.stem)
+    assert shipped == SHIPPED_MODULES, (
+        "the student repository's modules changed; check that none can answer a graded exercise (answer-equal "
+        f"references go to instructor/references/), then update SHIPPED_MODULES:\n shipped {shipped}")
+
+
+def test_the_audit_refuses_code_that_reaches_the_references(tmp_path):
+    (tmp_path / "lablib").mkdir()
+    (tmp_path / "lablib" / "helpers.py").write_text("from instructor.references import pipeline\n")
+    (tmp_path / "lablib" / "fine.py").write_text('"""Instructor tooling lives in the instructor package."""\n')
+    problems = student_repo.audit(tmp_path)
+    assert len(problems) == 1 and "helpers.py" in problems[0] and "instructor" in problems[0], problems
+
+
 def test_the_audit_finds_a_planted_answer(built, tmp_path):
     lab, line = next((lab, line) for line, lab in student_repo.protected_lines().items())
     planted = tmp_path / "lablib" / "helpers.py"
