@@ -292,6 +292,18 @@ def test_student_sees_the_course_message_not_a_traceback_wall(student_check):
     assert len(student_check.splitlines()) <= 15, f"a traceback wall of {len(student_check.splitlines())} lines"
 
 
+def settled(page, path: str, code_cells: int, figure, quiet_s: float = 2.0) -> str:
+    """The figure's src once the kernel is idle and the figure has not changed for quiet_s: a slider moved three
+    steps asks for three redraws, and the kernel is briefly idle between them."""
+    for _ in range(10):
+        wait_for_cells(page, path, code_cells, 60)
+        src = figure.get_attribute("src")
+        time.sleep(quiet_s)
+        if figure.get_attribute("src") == src and run_state(page, path)["kernel"] == "idle":
+            return src
+    pytest.fail(f"{path}: the figure kept changing for {10 * quiet_s:.0f} s after its control stopped moving")
+
+
 @contextmanager
 def shut_down_after(page, path: str):
     """Shut the notebook's kernel down at the end (with LABS_BROWSER_LAB=all, eleven kernels would stay up)."""
@@ -383,7 +395,7 @@ def test_solution_runs_in_the_browser_with_plots_and_live_widgets(course, browse
             widget.scroll_into_view_if_needed()
             figure = widget.locator("img").first
             figure.wait_for()
-            before = figure.get_attribute("src")
+            before = settled(page, path, code_cells, figure)
             name = kind.replace(" ", "_")
             shoot(page, f"solution_{lab}_{name}_before", widget)
             act()
@@ -392,9 +404,12 @@ def test_solution_runs_in_the_browser_with_plots_and_live_widgets(course, browse
                                        arg=[widget.element_handle(), before], timeout=60_000)
             except PlaywrightTimeout:
                 shoot(page, f"solution_{lab}_{name}_after", widget)
-                pytest.fail(f"{lab}: changing its {kind} did not redraw the figure within 60 s; "
-                            f"the widget shows {' '.join(widget.inner_text().split())[-500:]!r}")
-            wait_for_cells(page, path, code_cells, 60)   # the kernel is idle again: the last redraw has arrived
+                same = figure.count() and figure.get_attribute("src") == before
+                pytest.fail(f"{lab}: changing its {kind} did not redraw the figure within 60 s (kernel "
+                            f"{run_state(page, path)['kernel']}; {widget.locator('img').count()} image(s) in the "
+                            f"widget{', the same as before' if same else ''}); the widget shows "
+                            f"{' '.join(widget.inner_text().split())[-500:]!r}")
+            settled(page, path, code_cells, figure)   # every redraw the change asked for has arrived
             shoot(page, f"solution_{lab}_{name}_after", widget)
             print(f"{lab}: its {kind} redrew the figure in {time.perf_counter() - t1:.1f} s")
 
