@@ -367,9 +367,10 @@ def _work_done(key: int) -> None:
     with _lock:
         _, calls, _ = _waiting.pop(key, (None, (), None))
         for call in calls:               # a call of several works (batch_isend_irecv) is done with its last
-            _pending[id(call)] -= 1
-            if not _pending[id(call)]:
-                del _pending[id(call)]
+            left = _pending.pop(id(call), 1) - 1
+            if left:
+                _pending[id(call)] = left
+            else:
                 call.done_s = now
 
 
@@ -462,7 +463,8 @@ def _uninstall() -> None:
         _libraries.pop()._destroy()
     _awaited.clear()
     for key in [key for key, (_, _, has_future) in _waiting.items() if not has_future]:
-        _waiting.pop(key)                # never waited for in the block: done_s stays None
+        for call in _waiting.pop(key)[1]:          # never waited for in the block: done_s stays None
+            _pending.pop(id(call), None)
 
 
 @contextlib.contextmanager
