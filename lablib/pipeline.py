@@ -1,4 +1,4 @@
-"""Pipeline parallelism, applied to the course GPT from outside: the stages, and schedules by simulation.
+"""Pipeline parallelism, applied to the course GPT from outside: the stages, and a given schedule played in time.
 
 ``gpt_stages(model, n_stages)`` cuts a ``lablib.models.GPT`` into consecutive stages (stage 0: the
 embeddings and the first blocks; the last stage: the last blocks, ``ln_f``, ``lm_head`` and the loss). GPT-2
@@ -6,20 +6,17 @@ ties ``lm_head.weight`` to ``wte.weight``; once the two sit on different ranks e
 and the two gradients must be added (Megatron-LM all-reduces them between the first and last stage; the
 checks here add them up when they compare with one process).
 
-``simulate(kind, n_stages, n_microbatches, ...)`` plays a schedule tick by tick: every rank runs at most one
-operation at a time, an operation starts once its inputs exist (the forward of micro-batch j on stage s
-needs stage s-1's forward of j; the backward needs stage s+1's backward of j), and a rank picks among the
-ready ones by a *rule*, not from a list:
+``play(orders)`` takes a schedule someone wrote, each rank's operations ("F"/"B", micro-batch) in order, and
+plays it with a timing model: every rank runs its list in order, one operation at a time, each as soon as the
+rank is free and its input exists (the forward of micro-batch j on stage s needs stage s-1's forward of j;
+the backward needs stage s+1's backward of j and this stage's own forward of j); a forward takes t_forward,
+a backward t_backward. An order in which some rank waits for an operation that never comes is a
+``Deadlock``, named rank by rank. ``idle_fraction`` and ``peak_held`` read a played (or measured) timeline.
+lablib makes no GPipe or 1F1B order itself: writing them is lab 09's exercise.
 
-- ``gpipe`` (Huang et al., 2019): forwards first, backwards only once this rank has run every forward;
-- ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021; Megatron-LM's non-interleaved schedule): a backward
-  whenever one is ready; a forward only while this rank holds fewer than p - rank micro-batches.
-
-The order each rank ends up with is the course's reference schedule (exercise 1 is graded against it), and
-the simulated idle time is the reference bubble (exercise 3). With ``chunks`` (interleaving v) rank r holds
-virtual stages r, r + p, ..., each 1/v of its layers (Narayanan et al., 2021, section 2.2), and runs them in
-Megatron-LM's interleaved order (``interleaved_order``), each operation as soon as its inputs exist; the
-simulated bubble is then (p - 1) / (v m + p - 1), as the paper derives (the tests check it).
+With ``chunks`` (interleaving, v >= 2) rank r holds virtual stages r, r + p, ..., each 1/v of its layers
+(Narayanan et al., 2021, section 2.2); ``interleaved_order`` is Megatron-LM's order for them, and played it
+idles (p - 1) / (v m + p - 1) of the step, as the paper derives (the tests check it).
 """
 
 from __future__ import annotations
@@ -125,7 +122,7 @@ def combine_stage_gradients(per_stage: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-# --- schedules by simulation --------------------------------------------------------------------------------------
+# --- a given schedule, played ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Op:
@@ -137,16 +134,144 @@ class Op:
     end: float
 
 
-def in_flight_limit(kind: str, n_stages: int, rank: int) -> int:
-    """How many micro-batches a rank may hold (forward run, backward not yet) before it must run a backward."""
-    return 10**9 if kind == "gpipe" else n_stages - rank
+class Deadlock(RuntimeError):
+    """A played order in which ranks wait for operations that never come; ``waits`` says who waits for what."""
+
+    def __init__(self, waits: list[str]):
+        self.waits = waits
+        super().__init__("the order deadlocks: " + "; ".join(waits))
+
+
+def ops_text(rank_ops) -> str:
+    """One rank's operations as text: [("F", 0), ("B", 0)] -> "F0 B0" (a chunk, if any, after a dot: "F0.1")."""
+    return " ".join(f"{op[0]}{op[1]}" + (f".{op[2]}" if len(op) > 2 and op[2] else "") for op in rank_ops)
+
+
+def orders_text(orders) -> str:
+    """Every rank's operations as one string, ranks separated by "/": "F0 F1 B0 B1/F0 B0 F1 B1"."""
+    return "/".join(ops_text(rank_ops) for rank_ops in orders)
+
+
+def parse_orders(text: str) -> list[list[tuple[str, int]]]:
+    """The inverse of ``orders_text``: "F0 B0/F0 B0" -> [[("F", 0), ("B", 0)], [("F", 0), ("B", 0)]]."""
+    orders = []
+    for rank, part in enumerate(text.split("/")):
+        ops = []
+        for token in part.split():
+            if token[:1] not in ("F", "B") or not token[1:].isdigit():
+                raise ValueError(f"rank {rank}'s operation {token!r} in {text!r}: write F<j> or B<j>, e.g. F0 B0")
+            ops.append((token[0], int(token[1:])))
+        orders.append(ops)
+    return orders
+
+
+def _op(op) -> tuple[str, int, int]:
+    kind, j, *chunk = tuple(op)
+    return str(kind), int(j), int(chunk[0]) if chunk else 0
+
+
+def play(orders, t_forward: float = 1.0, t_backward: float = 2.0, chunks: int = 1) -> list[list[Op]]:
+    """Each rank's given operations, in the given order, at the times they can run (see the module docstring).
+
+    orders: one list per rank of ("F"/"B", micro-batch) or, with chunks > 1, ("F"/"B", micro-batch, chunk).
+    t_forward, t_backward: one micro-batch's forward and backward through a rank's whole share of the model
+    (with v chunks, each chunk takes 1/v of them). Returns one list of ``Op`` per rank, in time order; raises
+    ``Deadlock`` when ranks wait for each other (or for an operation no rank's list has) and ``ValueError``
+    for an operation that is not an F or a B, a chunk out of range, or one a rank lists twice.
+    """
+    p, v = len(orders), chunks
+    if p < 1 or v < 1:
+        raise ValueError(f"got {p} ranks' orders and chunks={v}: need at least one rank and one chunk")
+    lists = [[_op(op) for op in rank_ops] for rank_ops in orders]
+    for r, rank_ops in enumerate(lists):
+        bad = [op for op in rank_ops if op[0] not in ("F", "B") or op[1] < 0 or not 0 <= op[2] < v]
+        if bad:
+            raise ValueError(f"rank {r}: {bad[0]} is not ('F' or 'B', micro-batch >= 0, chunk in 0..{v - 1})")
+        if len(set(rank_ops)) < len(rank_ops):
+            twice = next(op for op in rank_ops if rank_ops.count(op) > 1)
+            raise ValueError(f"rank {r} runs {ops_text([twice])} twice")
+    last = p * v - 1                                   # the last virtual stage
+    ended: dict[tuple[str, int, int], float] = {}      # ("F"/"B", virtual stage, micro-batch) -> end time
+    waiting: dict[tuple[str, int, int], list[int]] = {}
+    position, free_at, blocked_on = [0] * p, [0.0] * p, [None] * p
+    played: list[list[Op]] = [[] for _ in range(p)]
+    queue = list(range(p))
+    while queue:                                       # a rank runs on until its next operation lacks an input
+        r = queue.pop()
+        while position[r] < len(lists[r]):
+            kind, j, c = lists[r][position[r]]
+            s = c * p + r
+            needs = [("F", s - 1, j)] if kind == "F" and s > 0 else []
+            if kind == "B":
+                needs = [("F", s, j)] + ([("B", s + 1, j)] if s < last else [])
+            missing = None
+            for n in needs:
+                if n not in ended:
+                    missing = n
+                    break
+            if missing is not None:                    # woken again once the missing operation has ended
+                if blocked_on[r] != missing:
+                    blocked_on[r] = missing
+                    waiting.setdefault(missing, []).append(r)
+                break
+            start = max([free_at[r]] + [ended[n] for n in needs])
+            free_at[r] = ended[(kind, s, j)] = start + (t_forward if kind == "F" else t_backward) / v
+            played[r].append(Op(r, kind, j, c, start, free_at[r]))
+            position[r] += 1
+            queue += waiting.pop((kind, s, j), [])
+    stuck = [r for r in range(p) if position[r] < len(lists[r])]
+    if stuck:
+        listed = {(kind, c * p + r, j) for r, rank_ops in enumerate(lists) for kind, j, c in rank_ops}
+        raise Deadlock([_wait_text(r, lists[r][position[r]], blocked_on[r], p, listed) for r in stuck])
+    return played
+
+
+def _wait_text(r: int, op: tuple[str, int, int], missing: tuple[str, int, int], p: int, listed: set) -> str:
+    """"rank 1 waits to run B0 for rank 2's B0" (a chunk after a dot: B0.1 is micro-batch 0 on chunk 1)."""
+    kind, s, j = missing
+    whose = "its own" if s % p == r else f"rank {s % p}'s"
+    never = "" if missing in listed else " (no rank's list has it)"
+    return f"rank {r} waits to run {ops_text([op])} for {whose} {ops_text([(kind, j, s // p)])}{never}"
+
+
+def _timing(op) -> tuple[str, int, float, float]:
+    """(kind, micro-batch, start, end) of an ``Op`` or of a measured event [kind, micro-batch, start, end]."""
+    return (op.kind, op.microbatch, op.start, op.end) if isinstance(op, Op) else tuple(op[:4])
+
+
+def busy_and_span(timeline) -> tuple[list[float], float]:
+    """Per rank the time it computed (forwards and backwards), and the step: first start to last end. timeline:
+    one list per rank of ``Op`` (played) or [kind, micro-batch, start, end] (measured by lablib.pipeline_probes)."""
+    ops = [[_timing(op) for op in rank_ops] for rank_ops in timeline]
+    start = min(op[2] for rank_ops in ops for op in rank_ops)
+    end = max(op[3] for rank_ops in ops for op in rank_ops)
+    return [sum(op[3] - op[2] for op in rank_ops) for rank_ops in ops], end - start
+
+
+def idle_fraction(timeline) -> float:
+    """The share of the step the ranks sit idle: 1 - busy / (ranks x step); waiting for a peer counts as idle."""
+    busy, step = busy_and_span(timeline)
+    return 1.0 - sum(busy) / (len(busy) * step)
+
+
+def peak_held(rank_ops) -> int:
+    """The most micro-batches (forward begun, backward not finished) one rank held at once, along its order:
+    ``Op``s or measured events in time order, or ("F"/"B", j) pairs."""
+    held = peak = 0
+    for op in rank_ops:
+        held += 1 if (op.kind if isinstance(op, Op) else op[0]) == "F" else -1
+        peak = max(peak, held)
+    return peak
 
 
 def interleaved_order(n_stages: int, n_microbatches: int, chunks: int, rank: int) -> list[tuple[str, int, int]]:
-    """Megatron-LM's interleaved 1F1B order for one rank: ("F"/"B", micro-batch, chunk). Forwards go through the
-    chunks in groups of p micro-batches; warm-up 2(p - rank - 1) + (v - 1)p forwards, then one forward one
-    backward (Narayanan et al., 2021; megatron/core/pipeline_parallel/schedules.py). Needs m a multiple of p."""
+    """Megatron-LM's interleaved 1F1B order for one rank, v >= 2 chunks: ("F"/"B", micro-batch, chunk). Forwards
+    go through the chunks in groups of p micro-batches; warm-up 2(p - rank - 1) + (v - 1)p forwards, then one
+    forward one backward (Narayanan et al., 2021; megatron/core/pipeline_parallel/schedules.py). Needs m a
+    multiple of p."""
     p, m, v = n_stages, n_microbatches, chunks
+    if v < 2:
+        raise ValueError(f"chunks={v}: interleaving needs at least 2 chunks per rank (one chunk is plain 1F1B)")
     if m % p:
         raise ValueError(f"interleaving needs n_microbatches={m} to be a multiple of n_stages={p} (Megatron's rule)")
     total = m * v
@@ -159,105 +284,15 @@ def interleaved_order(n_stages: int, n_microbatches: int, chunks: int, rank: int
     return order + backward[total - warmup:]
 
 
-def simulate(kind: str, n_stages: int, n_microbatches: int, chunks: int = 1, t_forward: float = 1.0,
-             t_backward: float = 2.0) -> list[list[Op]]:
-    """Every rank's operations, in the order and at the times the rule gives (see the module docstring); with
-    chunks > 1 (1F1B only) each rank follows ``interleaved_order`` instead of the rule, as soon as it can.
-
-    t_forward, t_backward: one micro-batch's forward and backward through a rank's whole share of the model
-    (with v chunks, each chunk takes 1/v of them). Returns one list of ``Op`` per rank, in time order.
-    """
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r} must be one of {KINDS}")
-    p, m, v = n_stages, n_microbatches, chunks
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"n_stages={p}, n_microbatches={m} and chunks={v} must be at least 1")
-    if v > 1 and kind != "1f1b":
-        raise ValueError(f"interleaving (chunks={v}) is a 1F1B schedule; use kind='1f1b' or chunks=1")
-    orders = [interleaved_order(p, m, v, r) for r in range(p)] if v > 1 else None
-    last = p * v - 1                          # the last virtual stage
-    done: dict[tuple, float] = {}             # ("F"/"B", virtual stage, micro-batch) -> end time
-    busy_until, held, forwards_left = [0.0] * p, [0] * p, [m * v] * p
-    ops: list[list[Op]] = [[] for _ in range(p)]
-    time, tick = 0.0, min(t_forward, t_backward) / v / 4
-    give_up = 4 * m * v * p * (t_forward + t_backward)
-
-    def ready(what: str, s: int, j: int) -> bool:
-        if (what, s, j) in done:
-            return False
-        if what == "F":
-            return s == 0 or done.get(("F", s - 1, j), float("inf")) <= time + 1e-9
-        after = s == last or done.get(("B", s + 1, j), float("inf")) <= time + 1e-9
-        return after and done.get(("F", s, j), float("inf")) <= time + 1e-9
-
-    while any(len(o) < 2 * m * v for o in ops):
-        if time > give_up:
-            raise RuntimeError(f"the {kind} schedule for p={p}, m={m}, v={v} deadlocks: no rank can go on")
-        for r in range(p):
-            if busy_until[r] > time + 1e-9:
-                continue
-            if orders is not None:     # interleaved: the rank's next operation in Megatron's order, once ready
-                what, j, c = orders[r][len(ops[r])] if len(ops[r]) < len(orders[r]) else (None, 0, 0)
-                choice = (what, c * p + r, j) if what and ready(what, c * p + r, j) else None
-            else:
-                f = [("F", r, j) for j in range(m) if ready("F", r, j)]
-                b = [("B", r, j) for j in range(m) if ready("B", r, j)]
-                if kind == "gpipe":     # forwards first; backwards once this rank has run every forward
-                    choice = f[0] if f else (b[0] if b and forwards_left[r] == 0 else None)
-                else:                   # a backward when one is ready; a forward while under the limit
-                    choice = b[0] if b else (f[0] if f and held[r] < in_flight_limit(kind, p, r) else None)
-            if choice is None:
-                continue
-            what, s, j = choice
-            duration = (t_forward if what == "F" else t_backward) / v
-            held[r] += 1 if what == "F" else -1
-            forwards_left[r] -= what == "F"
-            done[choice] = busy_until[r] = time + duration
-            ops[r].append(Op(r, what, j, s // p, time, time + duration))
-        time += tick
-    return ops
-
-
-def schedule(kind: str, n_stages: int, n_microbatches: int) -> list[list[tuple[str, int]]]:
-    """The reference schedule: each rank's ordered ("F", j) / ("B", j) operations (one chunk per rank)."""
-    return [[(op.kind, op.microbatch) for op in rank_ops] for rank_ops in simulate(kind, n_stages, n_microbatches)]
-
-
-def idle_fraction(ops: list[list[Op]]) -> float:
-    """The share of the step the ranks sit idle: 1 - busy / (ranks x step), the step from first start to last end."""
-    start = min(o.start for rank_ops in ops for o in rank_ops)
-    end = max(o.end for rank_ops in ops for o in rank_ops)
-    busy = sum(o.end - o.start for rank_ops in ops for o in rank_ops)
-    return 1.0 - busy / (len(ops) * (end - start))
-
-
-def peak_held(rank_ops) -> int:
-    """The most micro-batches (forward begun, backward not finished) one rank held at once, from its order.
-    Anything with ``.kind`` and ``.microbatch`` in time order, or ("F"/"B", j) pairs."""
-    held = peak = 0
-    for op in rank_ops:
-        kind = op[0] if isinstance(op, tuple) else op.kind
-        held += 1 if kind == "F" else -1
-        peak = max(peak, held)
-    return peak
-
-
-# The simulation is the reference exercises 1 and 3 are graded against, not an answer: the checks call the
-# students' functions with these refusing (lablib.checks.answer_without).
-REFERENCES = (simulate, schedule, idle_fraction, peak_held, in_flight_limit, interleaved_order)
-REFERENCE_ONLY = ("lablib.pipeline's simulation is what this exercise is checked against, not an answer: "
-                  "build the schedule (or the formula) yourself")
-
-
-def draw(ax, per_rank, unit: float = 1.0, label_ops: bool = True) -> None:
+def draw(ax, timeline, unit: float = 1.0, label_ops: bool = True) -> None:
     """A Gantt chart: one row per rank (rank 0 on top), forwards blue, backwards orange, each labelled with its
-    micro-batch. per_rank: one list per rank of ``Op`` or [kind, micro-batch, start, end]; times x unit."""
+    micro-batch. timeline: one list per rank of ``Op`` or [kind, micro-batch, start, end]; times x unit."""
     colors = {"F": "tab:blue", "B": "tab:orange"}
-    n = len(per_rank)
-    for r, rank_ops in enumerate(per_rank):
+    n = len(timeline)
+    for r, rank_ops in enumerate(timeline):
         y = n - 1 - r
         for op in rank_ops:
-            kind, j, a, b = (op.kind, op.microbatch, op.start, op.end) if isinstance(op, Op) else op[:4]
+            kind, j, a, b = _timing(op)
             ax.broken_barh([(a * unit, (b - a) * unit)], (y + 0.1, 0.8), facecolor=colors[kind], edgecolor="white",
                            alpha=0.55 + 0.45 * (getattr(op, "chunk", 0) % 2 == 0))
             if label_ops:

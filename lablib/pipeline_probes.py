@@ -1,8 +1,13 @@
-"""Lab 09's probe of the students' pipeline engine: what it does on the ranks, and the graded checks of it.
+"""Lab 09's graded checks: the properties of a schedule (exercise 1), and the probe of the students' engine.
+
+``check_schedule`` grades a schedule by what any GPipe or 1F1B order must do, with no reference order: every
+forward and backward once per stage, in micro-batch order, F j before B j, GPipe's forwards first, 1F1B's stage
+s holding at most min(p - s, m) micro-batches, and, played by ``lablib.pipeline.play``, no deadlock and the step
+over in (m + p - 1)(t_f + t_b). (For p <= 4 and m <= 5 these leave exactly one 1F1B order; the tests count them.)
 
 ``probe_engine`` runs one training step of the student's ``pipeline_step`` on this rank's stage of the
-course GPT (``lablib.pipeline.gpt_stages``), with the course's reference schedule (``pipeline.schedule``, by
-simulation: never the student's exercise 1), and records
+course GPT (``lablib.pipeline.gpt_stages``), with the op lists it is given (the notebook writes them out for
+the visible cases; never the student's exercise 1), and records
 
 - the order in which the stage really ran forwards and backwards (module hooks and an identity autograd
   function on the stage's output, so the check sees what ran, not what the engine says);
@@ -11,19 +16,24 @@ simulation: never the student's exercise 1), and records
 - every send/recv the engine called, with its peer and launch/done times (``lablib.counting``);
 - the stage's gradients and the micro-batches' losses.
 
-The engine runs on a process group of its own with a short timeout (``p2p_timeout_s``): a schedule that
-deadlocks ends there on every waiting rank, and each rank's still-pending send/recv (peer, bytes, since when)
-goes to rank 0 through the job's TCP store, which the broken group does not need. ``deadlock_message`` says
-which ranks waited on which. The single-process reference (the whole GPT on the whole batch) is computed on
-rank 0; ``check_engine`` compares.
+The ranks start the step together (a barrier once everything before it is built), and the engine runs on a
+process group of its own with a short timeout (``p2p_timeout_s``): a schedule that deadlocks ends there on
+every waiting rank, and each rank's still-pending send/recv (peer, bytes, since when) goes to rank 0 through
+the job's TCP store, which the broken group does not need. ``deadlock_message`` says which ranks waited on
+which. The single-process reference (the whole GPT on the whole batch) is computed on rank 0;
+``check_engine`` compares.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import pickle
+import sys
 import time
 import traceback
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -50,6 +60,129 @@ def parse_case(case: str) -> tuple[str, int, int]:
     if kind not in pipeline.KINDS:
         raise ValueError(f"case {case!r}: the schedule must be one of {pipeline.KINDS}")
     return kind, int(p), int(m)
+
+
+# --- exercise 1: what a schedule must do -------------------------------------------------------------------------
+
+FUNCTIONS = {"gpipe": "gpipe_schedule", "1f1b": "one_f_one_b_schedule"}
+
+
+def check_schedule(kind: str, orders, n_stages: int, n_microbatches: int, what: str = "") -> None:
+    """The graded properties of a student's GPipe or 1F1B schedule for (p, m) (the module docstring); raises
+    ``checks.CheckFailed`` at the first that fails, saying which stage and what came back."""
+    p, m = n_stages, n_microbatches
+    what = what or f"{FUNCTIONS[kind]}({p}, {m})"
+    checks.check_true(isinstance(orders, (list, tuple)) and len(orders) == p,
+                      f"{what}: one list of operations per stage, {p} in all; got {_short(orders)}")
+    all_ops = sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+    for s, rank_ops in enumerate(orders):
+        ops = _as_ops(rank_ops, f"{what}, stage {s}")
+        extra = sorted(set(ops) - set(all_ops)) + [op for op, n in Counter(ops).items() if n > 1]
+        missing = sorted(set(all_ops) - set(ops))
+        checks.check_true(not extra and not missing, f"{what}, stage {s}: every ('F', j) and ('B', j) for j in "
+                          f"0..{m - 1} exactly once; missing {pipeline.ops_text(missing) or 'none'}, not wanted or "
+                          f"twice {pipeline.ops_text(sorted(set(extra))) or 'none'}  ({pipeline.ops_text(ops)})")
+        for k, name in (("F", "forwards"), ("B", "backwards")):
+            checks.check_equal([j for kind_, j in ops if kind_ == k], list(range(m)),
+                               f"{what}, stage {s}: the {name}' micro-batches, in the order the stage runs them",
+                               hint="micro-batches go through the pipeline in order, 0 first")
+        at = {op: i for i, op in enumerate(ops)}
+        early = [j for j in range(m) if at[("B", j)] < at[("F", j)]]
+        checks.check_true(not early, f"{what}, stage {s}: the backward of micro-batch {early[:1]} before its "
+                          f"forward ({pipeline.ops_text(ops)})", hint="the backward of j needs the activations "
+                          "forward j saved")
+        first_backward = min(at[("B", j)] for j in range(m))
+        if kind == "gpipe":
+            checks.check_true(first_backward == m, f"{what}, stage {s}: GPipe runs every forward before the first "
+                              f"backward ({pipeline.ops_text(ops)})")
+        else:
+            held = pipeline.peak_held(ops)
+            checks.check_true(held <= min(p - s, m), f"{what}, stage {s}: holds {held} micro-batches at once "
+                              f"(forward run, backward not yet); 1F1B's stage s holds at most min(p - s, m) = "
+                              f"{min(p - s, m)}  ({pipeline.ops_text(ops)})",
+                              hint="fewer warm-up forwards: a backward as soon as one is possible")
+    try:
+        played = pipeline.play([_as_ops(o, what) for o in orders])
+    except pipeline.Deadlock as exc:
+        raise checks.CheckFailed(f"{what}: played in order (lablib.pipeline.play), the ranks wait for each other: "
+                                 f"{'; '.join(exc.waits)}") from None
+    end, best = max(op.end for rank_ops in played for op in rank_ops), (m + p - 1) * 3
+    checks.check_true(end <= best + 1e-9, f"{what}: played in order with t_f = 1, t_b = 2 the step takes {end:g}, "
+                      f"not (m + p - 1)(t_f + t_b) = {best}: a stage waits where it could compute",
+                      hint="start each backward as early as its gradient can arrive")
+
+
+def check_same_schedule(got, expected, what: str) -> None:
+    """got equals expected stage by stage (both lists of ("F"/"B", j) per stage); a failure names the first stage
+    and position that differ and shows a few operations around it, not the whole lists."""
+    checks.check_true(isinstance(got, (list, tuple)) and len(got) == len(expected),
+                      f"{what}: one list of operations per stage, {len(expected)} in all; got {_short(got)}")
+    for s, (mine, theirs) in enumerate(zip(got, expected)):
+        mine, theirs = _as_ops(mine, f"{what}, stage {s}"), [tuple(op) for op in theirs]
+        if mine != theirs:
+            i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            lo = max(0, i - 4)
+            checks.check_true(False, f"{what}, stage {s}: differs at operation {i} of {len(theirs)}\n"
+                              f"  expected: ... {pipeline.ops_text(theirs[lo:i + 5])} ...\n"
+                              f"  got:      ... {pipeline.ops_text(mine[lo:i + 5])} ...")
+
+
+def _as_ops(rank_ops, what: str) -> list[tuple[str, int]]:
+    """A stage's operations as ("F"/"B", j) tuples, or a check failure that says what came back."""
+    try:
+        ops = [(op[0], op[1]) for op in rank_ops if len(op) == 2]
+        if len(ops) == len(rank_ops) and all(k in ("F", "B") and isinstance(j, int) for k, j in ops):
+            return ops
+    except (TypeError, KeyError, IndexError):
+        pass
+    raise checks.CheckFailed(f"{what}: a list of ('F', j) / ('B', j) pairs, j an int; got {_short(rank_ops)}")
+
+
+def _short(value, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+@contextlib.contextmanager
+def answer_without_module(module, reason: str):
+    """Inside the block, any Python code compiled from ``module``'s file raises ``checks.CheckFailed(reason)``
+    instead of running: a call of its functions, and a copy of one's code object made before the block, which
+    ``checks.answer_without`` (it swaps the functions' code) does not see. The hidden checks call the students'
+    functions in it, with the reference they are compared with as the module, and the reference outside."""
+    path = os.path.realpath(module.__file__)
+    previous = sys.gettrace()
+
+    def refuse(frame, event, arg):
+        if event == "call" and os.path.realpath(frame.f_code.co_filename) == path:
+            raise checks.CheckFailed(reason)
+        return None
+
+    sys.settrace(refuse)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+# --- exercise 2: the engine on the ranks ------------------------------------------------------------------------
+
+def case_options(orders_by_case: dict) -> dict:
+    """The run's ``cases`` and ``orders`` options from {"1f1b:2:3": per-rank op lists (or "F0 F1 B0 ..." per rank)}."""
+    for case, orders in orders_by_case.items():
+        check_orders(case, _op_lists(orders))
+    return {"cases": tuple(orders_by_case),
+            "orders": tuple(pipeline.orders_text(_op_lists(orders)) for orders in orders_by_case.values())}
+
+
+def check_orders(case: str, orders) -> None:
+    """A case's op lists fit it: one list per stage, each op an F or a B of a micro-batch 0..m-1 (ValueError)."""
+    _, p, m = parse_case(case)
+    if len(orders) != p:
+        raise ValueError(f"case {case!r} has {p} stages but its orders have {len(orders)} ranks' lists")
+    for r, ops in enumerate(orders):
+        bad = [op for op in ops if op[0] not in ("F", "B") or not 0 <= op[1] < m]
+        if bad:
+            raise ValueError(f"case {case!r}, rank {r}: {bad[0]} is not an F or B of a micro-batch 0..{m - 1}")
 
 
 def batch(config: GPTConfig, n_microbatches: int, micro_batch: int, seed: int):
@@ -123,14 +256,18 @@ def reference(config: GPTConfig, inputs, targets, seed: int) -> tuple[dict, list
     return pipeline.model_gradients(model), losses
 
 
-def probe_engine(impl, case: str, env, group=None, p2p_timeout_s: float = 15.0, seed: int = 0,
-                 micro_batch: int = 2, config: GPTConfig = SMALL, tag: str = "") -> dict | None:
-    """One step of the student's engine on this rank's stage (a rank outside the case's p returns None after
-    the case). Every rank of the job calls it, in the same order; rank 0 gets the whole result."""
+def probe_engine(impl, case: str, orders, env, p2p_timeout_s: float = 15.0, seed: int = 0, micro_batch: int = 2,
+                 config: GPTConfig = SMALL, tag: str = "") -> dict:
+    """One step of the student's engine on this rank's stage, running ``orders[rank]`` (one op list per stage of
+    the case). Every rank of the job calls it, in the same order; rank 0 gets the whole result, the others
+    {"ok": ...} (a rank outside the case's p waits for it)."""
     kind, p, m = parse_case(case)
+    check_orders(case, orders)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    everyone = c10d._get_default_group() if world > 1 else None
     inputs, targets = batch(config, m, micro_batch, seed)
+    shape = (micro_batch, config.block_size, config.n_embd)
     mine = None
     if dist.is_initialized():   # a fresh group per case, with a short timeout: a deadlock breaks only it
         mine = dist.new_group(list(range(p)), timeout=datetime.timedelta(seconds=p2p_timeout_s))
@@ -138,14 +275,17 @@ def probe_engine(impl, case: str, env, group=None, p2p_timeout_s: float = 15.0, 
     if rank < p:
         torch.manual_seed(seed)
         stage = pipeline.gpt_stages(GPT(config), p)[rank].to(env.device)
-        ops = pipeline.schedule(kind, p, m)[rank]
+        warm_up(stage, inputs[0], targets[0], shape, env.device)
+        ops = [tuple(op) for op in orders[rank]]
         recorder, log = StageRecorder(stage), counting.CollectiveLog(phase="step")
         record = {"rank": rank, "ops": ops, "error": None, "losses": None}
+    if everyone is not None:    # the step starts on every rank at once: a wait in it is the step's own
+        dist.barrier(group=everyone)
+    if record is not None:
         t0 = time.perf_counter()
         try:
             with default_group(mine if world > 1 else None), counting.count_collectives(log):
-                record["losses"] = [float(x) for x in impl.pipeline_step(
-                    stage, list(ops), inputs, targets, (micro_batch, config.block_size, config.n_embd))]
+                record["losses"] = [float(x) for x in impl.pipeline_step(stage, list(ops), inputs, targets, shape)]
         except NotImplementedError:   # an unwritten exercise: the course's own message, not a failed check
             raise
         except Exception as exc:   # noqa: BLE001 - recorded for the check, which fails with it
@@ -154,8 +294,9 @@ def probe_engine(impl, case: str, env, group=None, p2p_timeout_s: float = 15.0, 
         record["events"] = [[k, j, a - t0, (b or a) - t0] for k, j, a, b in recorder.close()]
         record["saved_bytes"] = recorder.saved_bytes
         record["p2p"] = [{"function": c.function, "peer": c.peer, "bytes": c.bytes, "launched_s": c.launched_s - t0,
-                          "done_s": None if c.done_s is None else c.done_s - t0} for c in log.calls]
-        record["grads"] = pipeline.stage_gradients(stage)
+                          "done_s": None if c.done_s is None else c.done_s - t0, "asynchronous": c.asynchronous}
+                         for c in log.calls]
+        record["grads"] = {name: g.cpu() for name, g in pipeline.stage_gradients(stage).items()}   # nccl: off GPU
         record["t0"] = t0
     if world == 1:
         records = [record]
@@ -168,18 +309,34 @@ def probe_engine(impl, case: str, env, group=None, p2p_timeout_s: float = 15.0, 
         {"ok": all(r["error"] is None for r in records)}
 
 
-def probe_without_processes(impl, cases=("gpipe:1:3", "1f1b:1:2")) -> list[dict]:
-    """probe_engine on one stage in this process (a gloo group of one, torn down after): a quick look
-    before a real run (the loss scaling, the gradients), never a replacement for it."""
+def warm_up(stage, ids, targets, shape, device) -> None:
+    """One forward and backward of the stage, before the step, its gradients dropped: a process's first ones
+    cost up to a second under load (measured 0.75 s each at a load of 10 on 2 cores, against 0.03 s after),
+    which would otherwise fall inside the step and its send/recv timeout."""
+    x = ids.to(device) if stage.first else torch.zeros(shape, device=device, requires_grad=True)
+    with torch.random.fork_rng(devices=[]):
+        out = stage(x, targets.to(device)) if stage.last and stage.loss else stage(x)
+        out.float().sum().backward()
+    stage.zero_grad(set_to_none=True)
+
+
+def probe_without_processes(impl, cases: dict) -> list[dict]:
+    """probe_engine on one stage in this process (a gloo group of one, torn down after), for each case of
+    {case: op lists}: a quick look before a real run (the loss scaling, the gradients), never a replacement."""
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
-        return [probe_engine(impl, case, env) for case in cases]
+        return [probe_engine(impl, case, _op_lists(orders), env) for case, orders in cases.items()]
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def _op_lists(orders) -> list[list[tuple[str, int]]]:
+    """Per-rank op lists from op lists or "F0 F1 B0 ..." strings."""
+    return [pipeline.parse_orders(o)[0] if isinstance(o, str) else [tuple(op) for op in o] for o in orders]
 
 
 def summarize(case: str, records: list[dict], config: GPTConfig, inputs, targets, seed: int) -> dict:
@@ -214,14 +371,18 @@ def summarize(case: str, records: list[dict], config: GPTConfig, inputs, targets
 
 
 def deadlock_message(records: list[dict]) -> str:
-    """Which rank waited on which: every send/recv still pending when the case's group timed out."""
+    """Which rank waited on which, when the case's group timed out: the blocking send/recv a rank was in, or
+    (none pending) the first isend/irecv it had not seen complete; then any other error, rank by rank."""
     lines = []
     for r in records:
         pending = [c for c in r["p2p"] if c["done_s"] is None]
-        for c in pending:
+        blocking = [c for c in pending if not c.get("asynchronous")]
+        for c in blocking or pending[:1]:
             verb = "send to" if c["function"] in ("send", "isend") else "recv from"
             lines.append(f"rank {r['rank']} waited in {c['function']} ({verb} rank {c['peer']}, {c['bytes']} bytes, "
                          f"posted {c['launched_s'] * 1e3:.0f} ms into the step)")
+        if len(pending) > len(blocking or pending[:1]):
+            lines[-1] += f", with {len(pending) - len(blocking or pending[:1])} more isend/irecv not seen complete"
         if r["error"] and not pending:
             lines.append(f"rank {r['rank']}: {r['error'].splitlines()[-1][:300]}")
     return "; ".join(lines)
@@ -239,8 +400,8 @@ def check_engine(result: dict) -> None:
                                "post sends with dist.isend and wait for them at the end" if timed_out else
                                f"{result['deadlock']}\n{_first_traceback(result)}")
     for rank, (ran, expected) in enumerate(zip(result["ran"], result["schedule"])):
-        checks.check_equal(_ops_text(ran), _ops_text(expected), f"{what}: the order rank {rank} ran its forwards "
-                           f"and backwards in", hint="run the operations in the order of ops, one by one")
+        checks.check_equal(pipeline.ops_text(ran), pipeline.ops_text(expected), f"{what}: the order rank {rank} ran "
+                           f"its forwards and backwards in", hint="run the operations in the order of ops, one by one")
     checks.check_equal(result["missing_grads"], [], f"{what}: parameters without a gradient")
     checks.check_close(result["losses"], result["reference_losses"], f"{what}: the micro-batches' losses (last rank)",
                        rtol=1e-4, atol=1e-5, hint="the last rank returns each micro-batch's mean loss, in order")
@@ -258,25 +419,7 @@ def _first_traceback(result) -> str:
     return f"rank {rank}'s traceback:\n" + "\n".join(lines[start:])
 
 
-def _ops_text(ops) -> str:
-    return " ".join(f"{k}{j}" for k, j in ops)
-
-
-# --- what the measurement reads from a result ------------------------------------------------------------------------
-
-def busy_and_step(result) -> tuple[list[float], float]:
-    """Per rank the seconds its stage computed (forwards and backwards), and the step: first start to last end."""
-    events = result["events"]
-    start = min(e[2] for rank_events in events for e in rank_events)
-    end = max(e[3] for rank_events in events for e in rank_events)
-    return [sum(e[3] - e[2] for e in rank_events) for rank_events in events], end - start
-
-
-def measured_idle_fraction(result) -> float:
-    """1 - computing / (ranks x step): the measured bubble (waiting for a peer counts as idle)."""
-    busy, step = busy_and_step(result)
-    return 1.0 - sum(busy) / (len(busy) * step)
-
+# --- what the measurement reads from a result (its timeline: lablib.pipeline.idle_fraction(result.events)) ---------
 
 def peak_saved_bytes(result) -> list[int]:
     """Per rank, the most saved-activation bytes held at once: a forward adds its micro-batch's bytes, the

@@ -1,4 +1,5 @@
-"""Lab 09's library pieces: the GPT cut into stages, the schedules by simulation (against the closed forms),
+"""Lab 09's library pieces: the GPT cut into stages, a given order played in time (against the closed forms, with
+the instructor's reference orders), exercise 1's property checks (they leave one 1F1B order for small p, m),
 the probe of an engine at one stage in this process, and one real torchrun run: a correct engine passes, a
 blocking-send engine ends in a deadlock message that names who waited on whom.
 
@@ -8,13 +9,19 @@ the lab's solution.
 
 from __future__ import annotations
 
+import itertools
+import types
+
 import pytest
 import torch
 
+from instructor.references import pipeline as pipeline_ref
 from lablib import checks, launch, pipeline, pipeline_probes
 from lablib import config as cfg
 from lablib.models import GPT, GPTConfig
 from lablib.runs import pipeline as pipeline_run
+
+EXAMPLE = {"gpipe:2:2": ["F0 F1 B0 B1", "F0 F1 B0 B1"], "1f1b:2:3": ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]}
 
 ENGINE = '''
 import torch, torch.distributed as dist
@@ -91,36 +98,126 @@ def test_stages_compose_to_the_model(p):
         assert torch.allclose(grads[name], g, atol=1e-6), name
 
 
-@pytest.mark.parametrize("p,m", [(1, 1), (2, 1), (3, 2), (4, 8), (5, 3)])
-def test_simulation_matches_the_closed_forms(p, m):
-    for kind in pipeline.KINDS:
-        ops = pipeline.simulate(kind, p, m)
-        assert pipeline.idle_fraction(ops) == pytest.approx((p - 1) / (m + p - 1))
-        expected = [m] * p if kind == "gpipe" else [min(m, p - s) for s in range(p)]
-        assert [pipeline.peak_held(r) for r in ops] == expected
-    first = pipeline.schedule("1f1b", p, m)[0]
-    warmup = min(p - 1, m)
-    assert first[:warmup] == [("F", j) for j in range(warmup)]
+def test_lablib_makes_no_schedule():
+    """Students install lablib: it plays an order it is given, and makes no GPipe or 1F1B order nor formula."""
+    for name in ("schedule", "simulate", "in_flight_limit", "bubble_fraction", "peak_in_flight", "REFERENCES"):
+        assert not hasattr(pipeline, name), name
+    with pytest.raises(ValueError, match="at least 2 chunks"):
+        pipeline.interleaved_order(4, 8, 1, 0)
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 1), (3, 2), (4, 8), (5, 3), (8, 40)])
+def test_reference_orders_played_give_the_closed_forms(p, m):
+    for kind in pipeline_ref.KINDS:
+        played = pipeline.play(pipeline_ref.schedule(kind, p, m))
+        assert pipeline.idle_fraction(played) == pytest.approx(pipeline_ref.bubble_fraction(p, m))
+        assert [pipeline.peak_held(r) for r in played] == [pipeline_ref.peak_in_flight(kind, p, m, s) for s in range(p)]
+        assert max(op.end for r in played for op in r) == 3 * (m + p - 1)
+        pipeline_probes.check_schedule(kind, pipeline_ref.schedule(kind, p, m), p, m)
+    first = pipeline_ref.schedule("1f1b", p, m)[0]
+    forwards = min(p, m)                       # stage 0: p - 1 warm-up forwards, then the steady state's first
+    assert first[:forwards] == [("F", j) for j in range(forwards)] and first[forwards] == ("B", 0)
+
+
+def test_reference_is_quick_at_the_largest_drawn_size():
+    import time
+    t0 = time.perf_counter()
+    orders = pipeline_ref.schedule("1f1b", 64, 512)
+    assert time.perf_counter() - t0 < 10
+    assert [pipeline.peak_held(r) for r in orders][:3] == [64, 63, 62]
+
+
+def _rank_orders(m, cap):
+    """Every order of one stage with forwards and backwards in micro-batch order, F j before B j, <= cap held."""
+    out = []
+
+    def extend(f, b, seq):
+        if f == m and b == m:
+            out.append(seq)
+        if f < m and f - b < cap:
+            extend(f + 1, b, seq + [("F", f)])
+        if b < f:
+            extend(f, b + 1, seq + [("B", b)])
+    extend(0, 0, [])
+    return out
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 4), (3, 5), (4, 3), (4, 5)])
+def test_exercise_1s_checks_leave_one_1f1b_order(p, m):
+    """Exercise 3 compares with the student's own exercise 1 where it passes exercise 1's checks: at the (p, m)
+    the notebook uses, those checks leave exactly one 1F1B order, the reference's (so no cascade)."""
+    passing = []
+    for combo in itertools.product(*[_rank_orders(m, min(p - s, m)) for s in range(p)]):
+        try:                               # the step's length first: most orders fail there, and it is quick
+            if max(op.end for r in pipeline.play(combo) for op in r) > 3 * (m + p - 1):
+                continue
+            pipeline_probes.check_schedule("1f1b", list(combo), p, m)
+        except (pipeline.Deadlock, checks.CheckFailed):
+            continue
+        passing.append(list(combo))
+    assert passing == [pipeline_ref.schedule("1f1b", p, m)]
+
+
+def test_check_schedule_names_what_is_wrong():
+    good = pipeline_ref.schedule("1f1b", 4, 3)
+    with pytest.raises(checks.CheckFailed, match="one list of operations per stage"):
+        pipeline_probes.check_schedule("1f1b", good[:3], 4, 3)
+    with pytest.raises(checks.CheckFailed, match="missing B2"):
+        pipeline_probes.check_schedule("1f1b", [good[0][:-1]] + good[1:], 4, 3)
+    with pytest.raises(checks.CheckFailed, match=r"holds 3 micro-batches at once"):
+        pipeline_probes.check_schedule("1f1b", good[:2] + [pipeline_ref.schedule("gpipe", 4, 3)[2]] + good[3:], 4, 3)
+    with pytest.raises(checks.CheckFailed, match="every forward before"):
+        pipeline_probes.check_schedule("gpipe", good, 4, 3)
+    with pytest.raises(checks.CheckFailed, match="wait for each other"):
+        pipeline_probes.check_schedule("1f1b", [good[0], [("F", 0), ("B", 0), ("F", 1), ("F", 2), ("B", 1), ("B", 2)]]
+                                       + good[2:], 4, 3)
+    slow = [[op for j in range(3) for op in (("F", j), ("B", j))] for _ in range(2)]
+    with pytest.raises(checks.CheckFailed, match=r"takes 18, not \(m \+ p - 1\)\(t_f \+ t_b\) = 12"):
+        pipeline_probes.check_schedule("1f1b", slow, 2, 3)
+    with pytest.raises(checks.CheckFailed, match="pairs"):
+        pipeline_probes.check_schedule("gpipe", [["F0", "B0"]], 1, 1)
+    with pytest.raises(checks.CheckFailed, match="stage 0: differs at operation 1 of 6"):
+        pipeline_probes.check_same_schedule(slow, pipeline_ref.schedule("1f1b", 2, 3), "1F1B")
+
+
+def test_answer_without_module_refuses_the_reference_and_a_copy_of_its_code():
+    copy = types.FunctionType(pipeline_ref.schedule.__code__, pipeline_ref.schedule.__globals__)
+    for answer in (lambda: pipeline_ref.schedule("1f1b", 2, 3), lambda: copy("1f1b", 2, 3)):
+        with pytest.raises(checks.CheckFailed, match="not yours"):
+            with pipeline_probes.answer_without_module(pipeline_ref, reason="not yours"):
+                answer()
+    with pipeline_probes.answer_without_module(pipeline_ref, reason="not yours"):
+        assert pipeline.play([[("F", 0), ("B", 0)]])[0][1].end == 3.0     # lablib itself is allowed
+    assert pipeline_ref.schedule("gpipe", 1, 1) == [[("F", 0), ("B", 0)]]
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (3, 6, 2)])
 def test_interleaved_bubble_is_megatrons(p, m, v):
-    ops = pipeline.simulate("1f1b", p, m, chunks=v)
+    ops = pipeline.play([pipeline.interleaved_order(p, m, v, r) for r in range(p)], chunks=v)
     assert pipeline.idle_fraction(ops) == pytest.approx((p - 1) / (v * m + p - 1))
     with pytest.raises(ValueError, match="multiple"):
-        pipeline.simulate("1f1b", p, m + 1, chunks=v)
+        pipeline.interleaved_order(p, m + 1, v, 0)
 
 
-def test_simulate_validates():
-    with pytest.raises(ValueError, match="at least 1"):
-        pipeline.simulate("gpipe", 2, 0)
-    with pytest.raises(ValueError, match="kind"):
-        pipeline.simulate("zb", 2, 2)
+def test_play_validates_and_names_a_deadlock():
+    with pytest.raises(ValueError, match="twice"):
+        pipeline.play([[("F", 0), ("F", 0), ("B", 0)]])
+    with pytest.raises(ValueError, match="chunk"):
+        pipeline.play([[("F", 0, 1), ("B", 0, 1)]])
+    with pytest.raises(pipeline.Deadlock) as raised:
+        pipeline.play([[("F", 0), ("F", 1), ("B", 0), ("B", 1)], [("F", 0), ("B", 0), ("B", 1)]])
+    assert raised.value.waits == ["rank 0 waits to run B1 for rank 1's B1",
+                                  "rank 1 waits to run B1 for its own F1 (no rank's list has it)"]
+    assert pipeline.parse_orders(pipeline.orders_text(pipeline_ref.schedule("1f1b", 3, 4))) == \
+        pipeline_ref.schedule("1f1b", 3, 4)
+    with pytest.raises(ValueError, match="F<j> or B<j>"):
+        pipeline.parse_orders("F0 X1")
 
 
 def test_probe_at_one_stage(tmp_path):
     engine = pipeline_probes.load_engine(write_engine(tmp_path / "engine_impl.py"))
-    results = pipeline_probes.probe_without_processes(engine)
+    results = pipeline_probes.probe_without_processes(engine, {"gpipe:1:3": ["F0 F1 F2 B0 B1 B2"],
+                                                               "1f1b:1:2": ["F0 B0 F1 B1"]})
     for r in results:
         pipeline_probes.check_engine(r)
     assert results[1]["ran"] == [[["F", 0], ["B", 0], ["F", 1], ["B", 1]]]
@@ -131,7 +228,7 @@ def test_probe_catches_a_missing_loss_scale(tmp_path):
     (tmp_path / "engine_impl.py").write_text(source)
     engine = pipeline_probes.load_engine(str(tmp_path / "engine_impl.py"))
     with pytest.raises(checks.CheckFailed, match="gradients"):
-        for r in pipeline_probes.probe_without_processes(engine, ("gpipe:1:3",)):
+        for r in pipeline_probes.probe_without_processes(engine, {"gpipe:1:3": ["F0 F1 F2 B0 B1 B2"]}):
             pipeline_probes.check_engine(r)
 
 
@@ -140,16 +237,24 @@ def test_config_is_strict():
         cfg.from_argv(pipeline_run.Config, ["--cases", "gpipe:2:4", "--bogus", "1"])
     with pytest.raises(ValueError, match="schedule"):
         pipeline_probes.parse_case("zb:2:2")
+    with pytest.raises(ValueError, match="2 cases but 1 orders"):
+        cfg.from_options(pipeline_run.Config, {"cases": ("gpipe:2:2", "1f1b:2:3"), "orders": ("F0 B0/F0 B0",),
+                                               "impl": __file__})
+    with pytest.raises(ValueError, match="micro-batch 0..1"):
+        cfg.from_options(pipeline_run.Config, {"cases": ("gpipe:2:2",), "orders": ("F0 F2 B0 B1/F0 F1 B0 B1",),
+                                               "impl": __file__})
+    assert pipeline_probes.case_options(EXAMPLE)["orders"][1] == "F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2"
 
 
 def test_real_ranks_pass_and_a_blocking_send_deadlocks_with_a_message(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    good = launch.run("pipeline", {"impl": write_engine(tmp_path / "good.py"), "cases": ("1f1b:2:3", "gpipe:2:2")},
+    good = launch.run("pipeline", {"impl": write_engine(tmp_path / "good.py"), **pipeline_probes.case_options(EXAMPLE)},
                       nproc=2, timeout_s=120, quiet=True)
     for r in good.metrics.runs.values():
         pipeline_probes.check_engine(r)
+    cases = {"1f1b:2:4": pipeline_ref.schedule("1f1b", 2, 4), **EXAMPLE}
     bad = launch.run("pipeline", {"impl": write_engine(tmp_path / "bad.py", blocking=True),
-                                  "cases": ("1f1b:2:4", "gpipe:2:2"), "p2p_timeout_s": 3.0},
+                                  **pipeline_probes.case_options(cases), "p2p_timeout_s": 3.0},
                      nproc=2, timeout_s=120, quiet=True)
     assert list(bad.metrics.runs) == ["1f1b:2:4"]            # stopped at the first failing case
     r = bad.metrics.runs["1f1b:2:4"]

@@ -1,33 +1,34 @@
 """Lab 09's step: the students' pipeline engine on real ranks, graded or timed.
 
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.pipeline --impl engine_impl.py \\
-        --cases gpipe:2:4,1f1b:4:3 --out out.json
+    torchrun --standalone --nproc-per-node 2 -m lablib.runs.pipeline --impl engine_impl.py --out out.json \\
+        --cases gpipe:2:2,1f1b:2:3 --orders "F0 F1 B0 B1/F0 F1 B0 B1,F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2"
 
-Each case is "schedule:stages:micro-batches"; the job has as many processes as the largest case has stages,
-and a case on p stages runs on ranks 0..p-1 (the others wait for it, lab 06's turns). What each rank does
-and records is ``lablib.pipeline_probes.probe_engine``: one step with the course's reference schedule, on a
-process group of its own with a short timeout, so a deadlock ends in a message instead of a hang. The
-graded run stops at the first case that fails. With ``--repeat n`` (the measurement) each case runs n times
-and the step of median idle time is kept (the first one warms up and is left out).
+Each case is "schedule:stages:micro-batches" (a label: the schedule's name, p and m), and its entry in
+``orders`` the op lists the engine runs, rank by rank ("/" between ranks; ``lablib.pipeline.orders_text``):
+the run makes no schedule of its own. The job has as many processes as the largest case has stages, and a
+case on p stages runs on ranks 0..p-1 (the others wait for it, lab 06's turns). What each rank does and
+records is ``lablib.pipeline_probes.probe_engine``: one step, on a process group of its own with a short
+timeout, so a deadlock ends in a message instead of a hang. The graded run stops at the first case that
+fails. With ``--repeat n`` (the measurement) each case runs n times and the step of median idle time is kept
+(the first one warms up and is left out).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from lablib import script
 from lablib.exercise import require_file
 from lablib.models import GPTConfig
-from lablib.pipeline_probes import (SMALL, busy_and_step, load_engine, measured_idle_fraction, parse_case,
-                                    probe_engine)
+from lablib.pipeline import busy_and_span, idle_fraction, parse_orders
+from lablib.pipeline_probes import SMALL, check_orders, load_engine, parse_case, probe_engine
 
 
 @dataclass(frozen=True)
 class Config:
     impl: str = "engine_impl.py"            # the module file the notebook's exercise cell writes
-    cases: tuple[str, ...] = ("gpipe:2:4", "1f1b:2:4")
+    cases: tuple[str, ...] = ("gpipe:2:2", "1f1b:2:3")
+    orders: tuple[str, ...] = ("F0 F1 B0 B1/F0 F1 B0 B1", "F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2")   # one per case
     p2p_timeout_s: float = 15.0             # a send/recv waiting longer than this is a deadlock
     repeat: int = 1                          # steps per case (more than one: the median-idle step after the first)
     micro_batch: int = 2                     # sequences per micro-batch
@@ -40,10 +41,14 @@ class Config:
     def validate(self) -> None:
         if not self.cases:
             raise ValueError("cases is empty; give at least one, e.g. gpipe:2:4")
-        for case in self.cases:
+        if len(self.orders) != len(self.cases):
+            raise ValueError(f"{len(self.cases)} cases but {len(self.orders)} orders: give each case its op lists, "
+                             f"e.g. --cases gpipe:2:2 --orders 'F0 F1 B0 B1/F0 F1 B0 B1'")
+        for case, orders in zip(self.cases, self.orders):
             _, p, m = parse_case(case)
             if p < 1 or m < 1 or p > self.n_layer:
                 raise ValueError(f"case {case!r}: needs 1 <= stages <= n_layer={self.n_layer} and micro-batches >= 1")
+            check_orders(case, parse_orders(orders))
         if self.p2p_timeout_s <= 0 or self.repeat < 1 or self.micro_batch < 1:
             raise ValueError(f"p2p_timeout_s={self.p2p_timeout_s}, repeat={self.repeat} and micro_batch="
                              f"{self.micro_batch} must be positive")
@@ -60,19 +65,19 @@ def run(env, config: Config) -> dict:
     model = GPTConfig(vocab_size=SMALL.vocab_size, block_size=config.block_size, n_layer=config.n_layer,
                       n_head=config.n_head, n_embd=config.n_embd)
     results = {}
-    for i, case in enumerate(config.cases):
+    for i, (case, orders) in enumerate(zip(config.cases, config.orders)):
         steps = []
-        for step in range(config.repeat):
-            dist.barrier()                     # the ranks start the step together (the Gantt chart's zero)
-            steps.append(probe_engine(impl, case, env, p2p_timeout_s=config.p2p_timeout_s, seed=config.seed,
-                                      micro_batch=config.micro_batch, config=model, tag=f"{i}.{step}"))
+        for step in range(config.repeat):      # probe_engine starts the ranks' step together (a barrier)
+            steps.append(probe_engine(impl, case, parse_orders(orders), env, p2p_timeout_s=config.p2p_timeout_s,
+                                      seed=config.seed, micro_batch=config.micro_batch, config=model,
+                                      tag=f"{i}.{step}"))
             if not steps[-1]["ok"]:
                 break
         result = steps[-1]
         if env.is_main and result["ok"] and len(steps) > 1:   # the step of median idle time, the first one left out
-            timed = sorted(steps[1:], key=measured_idle_fraction)
-            result = dict(timed[len(timed) // 2], idle_fractions=[measured_idle_fraction(s) for s in steps[1:]],
-                          step_s=[busy_and_step(s)[1] for s in steps[1:]])
+            timed = sorted(steps[1:], key=lambda s: idle_fraction(s["events"]))
+            result = dict(timed[len(timed) // 2], idle_fractions=[idle_fraction(s["events"]) for s in steps[1:]],
+                          step_s=[busy_and_span(s["events"])[1] for s in steps[1:]])
         results[case] = result
         script.progress(env, i + 1, len(config.cases))
         if not result["ok"]:                   # every rank read every stage's record: all stop here together

@@ -1,15 +1,25 @@
 """Wrong answers for lab 09 (see tests/wrong_answers/__init__.py).
 
-Each is the solution's own cell with one mistake put in (``_changed`` checks that the text it replaces is
-there, so a change to the solution cannot silently turn a wrong answer into the right one).
+Most are the solution's own cell with one mistake put in (``_changed`` checks that the text it replaces is
+there, so a change to the solution cannot silently turn a wrong answer into the right one). The others take
+their answer from somewhere else: lablib (which no longer has a schedule to give), a table made when the cell
+runs (of lablib's schedules, as the audit found; of the course's reference; of what the visible checks show),
+or a copy of a reference's code object made before the check, which ``checks.answer_without`` would not see.
+Each defines its functions whatever it finds, so the kernel's correct ones are replaced (an answer cell that
+raised would leave them).
 """
 
 from __future__ import annotations
 
+from instructor.references import pipeline as _reference
 from wrong_answers import SolutionCells
 
 LAB = "09_pipeline_parallel"
 _changed = SolutionCells(LAB).changed
+
+# What the visible checks of exercise 1 call (the worked example and three (p, m)), as a student could copy it.
+_SHOWN = {(kind, p, m): _reference.schedule(kind, p, m) for kind in _reference.KINDS
+          for p, m in ((2, 3), (2, 4), (4, 5), (4, 3))}
 
 
 # Exercise 2's wrong answers that pass the one-stage pre-check cost a torchrun start each (and a deadlock the
@@ -27,7 +37,7 @@ WRONG_ANSWERS = {
             "schedules", ("warmup = min(n_stages - rank - 1, n_microbatches)", "warmup = n_stages - rank - 1"))),
         ("no error for zero micro-batches (returns empty schedules)", _changed(
             "schedules", ("    if n_stages < 1 or n_microbatches < 1:\n", "    if n_stages < 1:\n"))),
-        ("returns lablib's reference simulation instead of building the schedule", '''
+        ("calls lablib's reference schedule (lablib has none now)", '''
 from lablib import pipeline as _pipeline
 
 
@@ -37,6 +47,85 @@ def gpipe_schedule(n_stages, n_microbatches):
 
 def one_f_one_b_schedule(n_stages, n_microbatches):
     return _pipeline.schedule("1f1b", n_stages, n_microbatches)
+'''),
+        ("tabulates lablib's schedules when the cell runs (the audit's exploit)", '''
+from lablib import pipeline as _pipeline
+
+_make = getattr(_pipeline, "schedule", None)
+_TABLE = {} if _make is None else {(kind, p, m): _make(kind, p, m) for kind in ("gpipe", "1f1b")
+                                   for p in range(1, 9) for m in range(1, 17)}
+
+
+def gpipe_schedule(n_stages, n_microbatches):
+    return _TABLE.get(("gpipe", n_stages, n_microbatches))
+
+
+def one_f_one_b_schedule(n_stages, n_microbatches):
+    return _TABLE.get(("1f1b", n_stages, n_microbatches))
+'''),
+        ("copies the code object of lablib's schedule when the cell runs (escapes checks.answer_without)", '''
+import types
+from lablib import pipeline as _pipeline
+
+_original = getattr(_pipeline, "schedule", None) or getattr(_pipeline, "simulate", None)
+_copy = None if _original is None else types.FunctionType(_original.__code__, _original.__globals__)
+
+
+def gpipe_schedule(n_stages, n_microbatches):
+    return _copy("gpipe", n_stages, n_microbatches)
+
+
+def one_f_one_b_schedule(n_stages, n_microbatches):
+    return _copy("1f1b", n_stages, n_microbatches)
+'''),
+        ("tabulates the course's reference when the cell runs (p <= 8, m <= 16: the grader's kernel has it)", '''
+from instructor.references import pipeline as _ref
+
+_TABLE = {(kind, p, m): _ref.schedule(kind, p, m)
+          for kind in ("gpipe", "1f1b") for p in range(1, 9) for m in range(1, 17)}
+
+
+def gpipe_schedule(n_stages, n_microbatches):
+    if n_stages < 1 or n_microbatches < 1:
+        raise ValueError("at least one stage and one micro-batch")
+    return _TABLE.get(("gpipe", n_stages, n_microbatches))
+
+
+def one_f_one_b_schedule(n_stages, n_microbatches):
+    if n_stages < 1 or n_microbatches < 1:
+        raise ValueError("at least one stage and one micro-batch")
+    return _TABLE.get(("1f1b", n_stages, n_microbatches))
+'''),
+        ("copies the code object of the course's reference when the cell runs", '''
+import types
+from instructor.references import pipeline as _ref
+
+_copy = types.FunctionType(_ref.schedule.__code__, _ref.schedule.__globals__)
+
+
+def gpipe_schedule(n_stages, n_microbatches):
+    return _copy("gpipe", n_stages, n_microbatches)
+
+
+def one_f_one_b_schedule(n_stages, n_microbatches):
+    return _copy("1f1b", n_stages, n_microbatches)
+'''),
+        ("hard-codes what the visible checks call, and all forwards then all backwards elsewhere", f'''
+_SHOWN = {_SHOWN!r}
+
+
+def _fallback(n_stages, n_microbatches):
+    if n_stages < 1 or n_microbatches < 1:
+        raise ValueError("at least one stage and one micro-batch")
+    return [[("F", j) for j in range(n_microbatches)] + [("B", j) for j in range(n_microbatches)]] * n_stages
+
+
+def gpipe_schedule(n_stages, n_microbatches):
+    return _fallback(n_stages, n_microbatches)
+
+
+def one_f_one_b_schedule(n_stages, n_microbatches):
+    return _SHOWN.get(("1f1b", n_stages, n_microbatches)) or _fallback(n_stages, n_microbatches)
 '''),
     ],
     "pipeline_engine": [
@@ -56,16 +145,25 @@ def one_f_one_b_schedule(n_stages, n_microbatches):
                                 "        return 1"))),
         ("1F1B with the warm-up count off by one (p - s - 1 held)", _changed(
             "bubble_formulas", ("return min(n_stages - stage, n_microbatches)", "return min(n_stages - stage - 1, n_microbatches)"))),
-        ("reads the bubble and the peak off lablib's simulation instead of a formula", '''
-from lablib.pipeline import idle_fraction, peak_held, simulate
+        ("reads the bubble and the peak off lablib's simulation (lablib has none now)", '''
+from lablib import pipeline as _pipeline
+
+_simulate = getattr(_pipeline, "simulate", None)
 
 
 def bubble_fraction(n_stages, n_microbatches):
-    return idle_fraction(simulate("gpipe", n_stages, n_microbatches))
+    return _pipeline.idle_fraction(_simulate("gpipe", n_stages, n_microbatches))
 
 
 def peak_in_flight(schedule, n_stages, n_microbatches, stage):
-    return peak_held(simulate(schedule, n_stages, n_microbatches)[stage])
+    return _pipeline.peak_held(_simulate(schedule, n_stages, n_microbatches)[stage])
+'''),
+        ("copies the code objects of the course's formulas when the cell runs", '''
+import types
+from instructor.references import pipeline as _ref
+
+bubble_fraction = types.FunctionType(_ref.bubble_fraction.__code__, _ref.bubble_fraction.__globals__)
+peak_in_flight = types.FunctionType(_ref.peak_in_flight.__code__, _ref.peak_in_flight.__globals__)
 '''),
         ("1F1B holds p on every stage", _changed(
             "bubble_formulas", ("return min(n_stages - stage, n_microbatches)", "return min(n_stages, n_microbatches)"))),
@@ -75,7 +173,8 @@ def peak_in_flight(schedule, n_stages, n_microbatches, stage):
     ],
 }
 
-# A correct variant runs every test cell; this one builds 1F1B from the three phases' counts differently.
+# A correct variant runs every test cell: 1F1B built from the three phases' counts differently; exercise 3 read
+# off the student's own exercise-1 schedules played by lablib (what lablib is for).
 CORRECT_VARIANTS = {
     "schedules": [
         ("1F1B built from the number of forwards in flight", '''
@@ -98,6 +197,25 @@ def one_f_one_b_schedule(n_stages, n_microbatches):
                 ops.append(("B", b)); b += 1
         out.append(ops)
     return out
+'''),
+    ],
+    "bubble_formulas": [
+        ("the bubble and the peaks read off your own schedules, played by lablib.pipeline.play", '''
+import functools
+from lablib import pipeline as _pipeline
+
+
+@functools.lru_cache(maxsize=8)
+def _yours(kind, n_stages, n_microbatches):
+    return (gpipe_schedule if kind == "gpipe" else one_f_one_b_schedule)(n_stages, n_microbatches)
+
+
+def bubble_fraction(n_stages, n_microbatches):
+    return _pipeline.idle_fraction(_pipeline.play(_yours("gpipe", n_stages, n_microbatches)))
+
+
+def peak_in_flight(schedule, n_stages, n_microbatches, stage):
+    return _pipeline.peak_held(_yours(schedule, n_stages, n_microbatches)[stage])
 '''),
     ],
 }
