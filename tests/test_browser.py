@@ -29,6 +29,8 @@ import nbformat
 import pytest
 
 import labkit
+from jupyterpage import (STOPPED_S, controls_of, move, open_notebook, run_all, run_state, settled, shut_down_after,
+                         wait_for_cells)
 from instructor.course import find_lab
 from lablib.processes import RUN_MARKER, kill_run
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -43,14 +45,6 @@ SETTINGS = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"wind
                                                                                "checkForUpdates": False}}
 RUN_LIMIT_S = 600
 STDERR = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-# A kernel idle this long with no cell running or queued while cells are left unrun: the run has stopped.
-STOPPED_S = 5
-# The ipywidgets controls the labs create (`widgets.<Kind>(`), by how the test drives them; a lab with another
-# kind fails the test until it is added here with a way to drive it. Containers and layouts are no controls.
-SLIDER, DROPDOWN, TOGGLE = "slider", "dropdown", "toggle buttons"
-CONTROLS = {**dict.fromkeys(("IntSlider", "FloatSlider", "FloatLogSlider", "SelectionSlider"), SLIDER),
-            "Dropdown": DROPDOWN, "ToggleButtons": TOGGLE}
-NOT_CONTROLS = {"Layout", "HBox", "VBox", "Box", "GridBox", "Output", "Label", "HTML", "Tab", "Accordion"}
 
 
 def browser_labs() -> tuple[list[str], str]:
@@ -150,91 +144,6 @@ def page_of(browser, base: str, token: str, path: str):
         page.close()
 
 
-def open_notebook(page):
-    """Wait until the notebook shows its cells and its kernel is idle."""
-    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-
-
-# The notebook's code cells as JupyterLab's model holds them (what Ctrl+S would save): execution count, whether
-# running or queued, and the error outputs (output_type 'error': an exception, never a warning printed on
-# stderr nor the traceback of a torchrun worker that a cell prints on purpose), with the kernel's status.
-PANEL_JS = "const panel = [...window.jupyterapp.shell.widgets('main')].find(w => w.context && w.context.path === path);"
-RUN_STATE_JS = """path => {
-  """ + PANEL_JS + """
-  if (!panel || !panel.sessionContext) return null;
-  const cells = [];
-  panel.content.widgets.forEach((cell, index) => {
-    const model = cell.model;
-    if (model.type !== 'code') return;
-    const errors = [];
-    for (let i = 0; i < model.outputs.length; i++) {
-      const output = model.outputs.get(i);
-      if (output.type === 'error') errors.push(output.toJSON());
-    }
-    cells.push({index, count: model.executionCount, running: model.executionState === 'running', errors});
-  });
-  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
-  return {kernel: kernel ? kernel.status : 'none', cells};
-}"""
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def run_state(page, path: str) -> dict:
-    state = page.evaluate(RUN_STATE_JS, path)
-    assert state is not None, f"no notebook {path} open in the page (or window.jupyterapp missing)"
-    return state
-
-
-def error_report(state: dict, lines: int = 25) -> str:
-    """Each cell that raised: its cell number, the exception and the end of its traceback (as the kernel sent it)."""
-    reports = []
-    for code_number, cell in enumerate(state["cells"], 1):
-        for error in cell["errors"]:
-            traceback = ANSI.sub("", "\n".join(error.get("traceback", []))).strip().splitlines()
-            reports.append(f"cell {cell['index']} (code cell {code_number}, In [{cell['count']}]) raised "
-                           f"{error.get('ename')}: {error.get('evalue')}\n" + "\n".join(traceback[-lines:]))
-    return "\n\n".join(reports)
-
-
-def wait_for_cells(page, path: str, count: int, limit_s: float, errors_fail: bool = True) -> float:
-    """Until the first `count` code cells of notebook `path` have run and the kernel is idle; the seconds it took.
-    Fails at once, naming the cell and its error, when a cell raised (unless errors_fail is False: a student's
-    unwritten exercise), and after STOPPED_S s when, the run having started, the kernel is idle or dead with none
-    of the cells left running or queued (Run All stops at an error; a kernel that died stops everything)."""
-    t0 = time.monotonic()
-    started, stopped_since = False, None
-    while True:
-        state = run_state(page, path)
-        cells = state["cells"][:count]
-        if errors_fail and any(cell["errors"] for cell in cells):
-            failed = next(cell["index"] for cell in cells if cell["errors"])
-            page.locator(".jp-NotebookPanel .jp-Cell").nth(failed).scroll_into_view_if_needed()
-            pytest.fail(f"{path}: a cell raised after {time.monotonic() - t0:.0f} s of waiting:\n{error_report(state)}")
-        unrun = [cell["index"] for cell in cells if cell["count"] is None]
-        busy = state["kernel"] not in ("idle", "dead") or any(cell["running"] for cell in state["cells"])
-        if not busy and len(cells) == count and not unrun:
-            return time.monotonic() - t0
-        started = started or busy or len(unrun) < len(cells)
-        stopped_since = None if busy or not started else stopped_since or time.monotonic()
-        if stopped_since and time.monotonic() - stopped_since > STOPPED_S:
-            pytest.fail(f"{path}: the run stopped (kernel {state['kernel']}, nothing running or queued) with cells "
-                        f"{unrun} of {len(state['cells'])} code cells never run"
-                        + (f"; errors:\n{error_report(state)}" if any(c["errors"] for c in cells) else ""))
-        if time.monotonic() - t0 > limit_s:
-            pytest.fail(f"{path}: cells still running after {limit_s:.0f} s; not yet run: {unrun}" if started else
-                        f"{path}: in {limit_s:.0f} s no cell started (kernel {state['kernel']})")
-        time.sleep(1)
-
-
-def run_all(page) -> None:
-    """Open the notebook and run all its cells, from JupyterLab's Run menu."""
-    open_notebook(page)
-    page.locator(".jp-NotebookPanel .jp-Cell").first.click()
-    page.get_by_role("menuitem", name="Run", exact=True).click()
-    page.get_by_role("menuitem", name=re.compile(r"^Run All Cells")).click()
-
-
 def shoot(page, name: str, element=None) -> Path:
     path = SHOTS / f"{name}.png"
     (element or page).screenshot(path=str(path))
@@ -259,7 +168,7 @@ def student_check(course, browser) -> str:
     first = min(exercises, key=exercises.get)
     exercise, check = exercises[first], min(i for i, _ in labkit.test_cells(released, first).values())
     with jupyterlab(course) as (base, token), page_of(browser, base, token, f"/lab/tree/{lab}/{lab}.ipynb") as page:
-        open_notebook(page)
+        open_notebook(page, f"{lab}/{lab}.ipynb")
         page.locator(".jp-NotebookPanel .jp-Cell").first.click()
         for _ in range(check + 1):
             page.keyboard.press("Shift+Enter")
@@ -292,61 +201,6 @@ def test_student_sees_the_course_message_not_a_traceback_wall(student_check):
     assert len(student_check.splitlines()) <= 15, f"a traceback wall of {len(student_check.splitlines())} lines"
 
 
-def settled(page, path: str, code_cells: int, figure, quiet_s: float = 2.0) -> str:
-    """The figure's src once the kernel is idle and the figure has not changed for quiet_s: a slider moved three
-    steps asks for three redraws, and the kernel is briefly idle between them."""
-    for _ in range(10):
-        wait_for_cells(page, path, code_cells, 60)
-        src = figure.get_attribute("src")
-        time.sleep(quiet_s)
-        if figure.get_attribute("src") == src and run_state(page, path)["kernel"] == "idle":
-            return src
-    pytest.fail(f"{path}: the figure kept changing for {10 * quiet_s:.0f} s after its control stopped moving")
-
-
-@contextmanager
-def shut_down_after(page, path: str):
-    """Shut the notebook's kernel down at the end (with LABS_BROWSER_LAB=all, eleven kernels would stay up)."""
-    try:
-        yield
-    finally:
-        page.evaluate(f"path => {{ {PANEL_JS} return panel && panel.sessionContext.shutdown(); }}", path)
-
-
-def controls_of(lab: str) -> set[str]:
-    """How the test drives each ipywidgets control that lab's solution creates (SLIDER, DROPDOWN, TOGGLE)."""
-    source = "\n".join(c.source for c in labkit.read(lab).cells if c.cell_type == "code")
-    kinds = set(re.findall(r"\bwidgets\.([A-Z]\w*)\(", source)) - NOT_CONTROLS
-    unknown = kinds - CONTROLS.keys()
-    assert not unknown, f"{lab} creates ipywidgets {sorted(unknown)}, which this test cannot drive yet: add them to CONTROLS"
-    return {CONTROLS[kind] for kind in kinds}
-
-
-def move(page, kind: str):
-    """Change one control of that kind in an interact; the control and the action that changes it."""
-    controls = page.locator(".jp-NotebookPanel .widget-interact")
-    if kind == SLIDER:
-        control = controls.locator(".widget-slider").first
-        handle = control.locator(".noUi-handle").first
-        now, top = handle.get_attribute("aria-valuenow"), handle.get_attribute("aria-valuemax")
-        key = "ArrowLeft" if now is not None and top is not None and float(now) >= float(top) else "ArrowRight"
-
-        def act():
-            handle.focus()
-            for _ in range(3):
-                page.keyboard.press(key)
-        return control, act
-    if kind == DROPDOWN:   # the first one with a choice to make
-        select = next((s for s in controls.locator(".widget-dropdown select").all() if s.locator("option").count() > 1), None)
-        assert select is not None, "no dropdown with two options or more in an interact"
-        current = select.evaluate("s => s.selectedIndex")
-        return select, lambda: select.select_option(index=1 if current == 0 else 0)
-    if kind == TOGGLE:
-        button = controls.locator(".widget-toggle-buttons button:not(.mod-active)").first
-        return button, button.click
-    raise AssertionError(f"no way to drive a {kind}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("lab", BROWSER_LABS)
 def test_solution_runs_in_the_browser_with_plots_and_live_widgets(course, browser, instructor_lab, lab):
@@ -358,7 +212,7 @@ def test_solution_runs_in_the_browser_with_plots_and_live_widgets(course, browse
     base, token = instructor_lab
     # A workspace of its own: JupyterLab would otherwise reopen the notebooks of the labs run before it.
     with page_of(browser, base, token, f"/lab/workspaces/browser-{lab}/tree/{path}") as page, shut_down_after(page, path):
-        run_all(page)
+        run_all(page, path)
         code_cells = sum(1 for c in labkit.read(lab).cells if c.cell_type == "code")
         try:
             wait_for_cells(page, path, code_cells, RUN_LIMIT_S)
@@ -435,7 +289,7 @@ def test_a_stopped_run_fails_the_wait_at_once(course, browser, instructor_lab, c
     try:
         with page_of(browser, base, token, f"/lab/workspaces/failfast-{case}/tree/{path}") as page, \
                 shut_down_after(page, path):
-            run_all(page)
+            run_all(page, path)
             t0 = time.monotonic()
             with pytest.raises(pytest.fail.Exception) as failed:
                 wait_for_cells(page, path, 3, limit_s=120)
