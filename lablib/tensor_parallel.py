@@ -11,22 +11,30 @@ Two ways, one model:
   ``sequence_parallel`` the norms and the residual stream are split along the sequence (``SequenceParallel``).
 
 The fused ``c_attn`` (q, k and v rows one after the other) cannot be split in contiguous blocks as it is: rank
-r's block would hold q rows only. ``apply_dtensor`` first permutes its rows (``qkv_rows_by_rank``) so that block r
-holds rank r's heads' q, k and v rows, and sets each attention's ``n_head`` to its heads per rank, as torchtitan
-does. ``full_gradients`` undoes both to compare with the single process.
+r's block would hold q rows only. ``apply_dtensor`` first replaces it by ``SeparateQKV``, three ``nn.Linear`` q, k
+and v (torchtitan's Llama has separate wq, wk and wv), whose contiguous row blocks are whole heads, and sets each
+attention's ``n_head`` to its heads per rank, as torchtitan does. ``full_gradients`` puts q, k and v back together
+to compare with the single process.
+
+Shards and where they sit in the full tensor: ``contiguous_index`` (a column- or row-parallel layer's block),
+``index_by_value`` (rows found in the full tensor by their values: any layout of copied rows), ``assembled`` (the
+full tensor from every rank's shard and index).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lablib.memory import local_tensor
-from lablib.tp_probes import gathered
 
-# parameter name suffix -> layout of its shards in apply_by_hand's modules (see tp_probes.LAYOUTS)
-BY_HAND_LAYOUT = {"mlp.c_fc.weight": "col", "mlp.c_fc.bias": "col", "mlp.c_proj.weight": "row",
-                  "attn.c_attn.weight": "qkv", "attn.c_attn.bias": "qkv", "attn.c_proj.weight": "row"}
+# parameter name suffix -> (dimension split, how the shard's place is found) in apply_by_hand's modules: lab 08's
+# contract fixes the MLP's blocks (exercise 2); the attention's rows and columns are found by value (exercise 3
+# leaves their order to the student), in the full weight of the single-process model.
+BY_HAND_LAYOUT = {"mlp.c_fc.weight": (0, "contiguous"), "mlp.c_fc.bias": (0, "contiguous"),
+                  "mlp.c_proj.weight": (1, "contiguous"), "attn.c_attn.weight": (0, "value"),
+                  "attn.c_attn.bias": (0, "value"), "attn.c_proj.weight": (1, "value")}
 
 
 def check_divides(model: nn.Module, tp: int) -> None:
@@ -47,15 +55,68 @@ def apply_by_hand(model: nn.Module, group, mlp_cls, attention_cls, tp: int) -> n
     return model
 
 
-def qkv_rows_by_rank(n_embd: int, tp: int) -> torch.Tensor:
-    """Row order of c_attn that puts rank r's heads' q, k and v rows in the r-th contiguous block:
-    [q_0, k_0, v_0, q_1, k_1, v_1, ...], each of n_embd / tp rows."""
-    width = n_embd // tp
-    return torch.cat([torch.arange(width) + part * n_embd + r * width for r in range(tp) for part in range(3)])
+# --- shards and their place in the full tensor --------------------------------------------------------------------
+
+def contiguous_index(size: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank's block of ``size`` features split over tp ranks: [rank * size / tp, (rank + 1) * size / tp)."""
+    width = size // tp
+    return torch.arange(rank * width, (rank + 1) * width)
+
+
+def index_by_value(shard: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """For each row of ``shard`` (k, ...), the index of the row of ``full`` (K, ...) equal to it bit for bit (a copy
+    of random weights: one match), or -1 where there is none. Rows of shard a transpose away give columns."""
+    shard, full = shard.detach().flatten(1), full.detach().flatten(1).to(shard.dtype)
+    if shard.shape[1] != full.shape[1]:
+        return torch.full((shard.shape[0],), -1, dtype=torch.long)
+    equal = (shard[:, None, :] == full[None, :, :]).all(-1)        # (k, K)
+    return torch.where(equal.any(1), equal.int().argmax(1), -1)
+
+
+def assembled(shard: torch.Tensor, index: torch.Tensor, dim: int, size: int, group, tp: int) -> torch.Tensor:
+    """The full tensor (``size`` along ``dim``) from every rank's shard, each placed at its own ``index`` along
+    dim (shards and indices all-gathered over group). A place no rank fills, or an index of -1, is inf."""
+    shard, index = shard.detach().contiguous(), index.to(device=shard.device)
+    if tp > 1:
+        shards, indices = [torch.empty_like(shard) for _ in range(tp)], [torch.empty_like(index) for _ in range(tp)]
+        dist.all_gather(shards, shard, group=group)
+        dist.all_gather(indices, index, group=group)
+        shard, index = torch.cat(shards, dim), torch.cat(indices)
+    shape = list(shard.shape)
+    shape[dim] = size
+    out = torch.full(shape, float("inf"), dtype=shard.dtype, device=shard.device)
+    known = index >= 0
+    out.index_copy_(dim, index[known], shard.index_select(dim, known.nonzero().flatten()))
+    return out
+
+
+# --- DTensor -------------------------------------------------------------------------------------------------------
+
+def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach().clone())
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach().clone())
+    return linear
+
+
+class SeparateQKV(nn.Module):
+    """A fused c_attn (n_embd -> [q | k | v]) as three nn.Linear ``q``, ``k``, ``v`` of n_embd rows each, with the
+    same output: the attention's forward is unchanged, and ColwiseParallel's contiguous row blocks of each part
+    are whole heads (a head is head_size consecutive rows of q, of k and of v)."""
+
+    def __init__(self, c_attn: nn.Linear):
+        super().__init__()
+        n_embd = c_attn.in_features
+        biases = c_attn.bias.split(n_embd) if c_attn.bias is not None else (None,) * 3
+        self.q, self.k, self.v = (_linear_from(w, b) for w, b in zip(c_attn.weight.split(n_embd), biases))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)    # (B, T, 3 * n_embd / tp)
 
 
 def apply_dtensor(model: nn.Module, mesh, vocab_parallel: bool = False, sequence_parallel: bool = False) -> nn.Module:
-    """parallelize_module over a 1-D mesh: c_attn and c_fc column-wise, the two c_proj row-wise.
+    """parallelize_module over a 1-D mesh: q, k, v (``SeparateQKV``) and c_fc column-wise, the two c_proj row-wise.
 
     vocab_parallel: also the vocabulary (embedding rows; lm_head's columns, its logits left sharded for
     ``loss_parallel``). sequence_parallel (Korthikanti et al., 2022, arXiv:2205.05198): between the blocks' matrix
@@ -70,18 +131,18 @@ def apply_dtensor(model: nn.Module, mesh, vocab_parallel: bool = False, sequence
         raise ValueError("apply_dtensor: choose vocab_parallel or sequence_parallel (the lab shows them apart)")
     tp = mesh.size()
     check_divides(model, tp)
-    order = qkv_rows_by_rank(model.config.n_embd, tp)
     gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                          use_local_output=True)
+    # q, k and v read one input DTensor (use_local_output=False): autograd adds their three partial input
+    # gradients before it is made whole, one all-reduce (three ColwiseParallel on a plain tensor would make three).
+    one_input = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                   use_local_output=False)
     for i, block in enumerate(model.h):
-        attn = block.attn
-        with torch.no_grad():
-            attn.c_attn.weight.copy_(attn.c_attn.weight[order])
-            if attn.c_attn.bias is not None:
-                attn.c_attn.bias.copy_(attn.c_attn.bias[order])
-        attn.n_head //= tp                     # heads on this rank (the forward reads sizes from c_attn)
+        block.attn.c_attn = SeparateQKV(block.attn.c_attn)
+        block.attn.n_head //= tp               # heads on this rank (the forward reads sizes from c_attn)
         between = Shard(1) if sequence_parallel else Replicate()   # the residual stream's layout
-        plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(output_layouts=between),
+        plan = {"attn.c_attn": one_input, "attn.c_attn.q": ColwiseParallel(), "attn.c_attn.k": ColwiseParallel(),
+                "attn.c_attn.v": ColwiseParallel(), "attn.c_proj": RowwiseParallel(output_layouts=between),
                 "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(output_layouts=between)}
         if sequence_parallel:
             plan.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
@@ -107,23 +168,46 @@ def local_param_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
 
 
-def full_gradients(model: nn.Module, group=None, tp: int = 1) -> dict[str, torch.Tensor]:
+def _by_hand_index(name: str, p: torch.Tensor, model: nn.Module, full: dict, group, tp: int):
+    """(dim, index) of apply_by_hand's shard ``name`` in the full tensor, or None for a whole one."""
+    suffix = next((s for s in BY_HAND_LAYOUT if name.endswith(s)), None)
+    if suffix is None:
+        return None
+    dim, how = BY_HAND_LAYOUT[suffix]
+    if how == "contiguous":
+        return dim, contiguous_index(full[name].shape[dim], dist.get_rank(group) if tp > 1 else 0, tp)
+    if dim == 1:                               # c_proj's columns: found among the full weight's columns
+        return dim, index_by_value(p.T, full[name].T)
+    # c_attn's rows, found with their biases (a row and its bias move together)
+    prefix = name.rsplit(".", 1)[0]
+    params = dict(model.named_parameters())
+    mine, whole = params[f"{prefix}.weight"], full[f"{prefix}.weight"]
+    if f"{prefix}.bias" in params:
+        mine = torch.cat([mine.detach(), params[f"{prefix}.bias"].detach()[:, None]], 1)
+        whole = torch.cat([whole, full[f"{prefix}.bias"][:, None]], 1)
+    return dim, index_by_value(mine, whole)
+
+
+def full_gradients(model: nn.Module, group=None, tp: int = 1,
+                   full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient, as the single-process model names and orders it: DTensor gradients
-    gathered (``full_tensor``), apply_by_hand's shards gathered by BY_HAND_LAYOUT, c_attn's rows put back."""
-    out = {}
+    gathered (``full_tensor``), SeparateQKV's q, k and v put back into one c_attn; apply_by_hand's shards placed
+    by BY_HAND_LAYOUT, which needs ``full``: the single-process model's parameters as they were when the shards
+    were copied (its attention's rows are found there by value). A shard row found nowhere leaves inf."""
+    out: dict[str, torch.Tensor | list] = {}
     for name, p in model.named_parameters():
         grad = torch.zeros_like(local_tensor(p)) if p.grad is None else p.grad
         if hasattr(grad, "full_tensor"):
             grad = grad.full_tensor()
-            if ".attn.c_attn." in name:
-                restored = torch.empty_like(grad)
-                restored[qkv_rows_by_rank(model.config.n_embd, tp)] = grad
-                grad = restored
+        elif full is not None and (placed := _by_hand_index(name, p, model, full, group, tp)) is not None:
+            dim, index = placed
+            grad = assembled(grad, index, dim, full[name].shape[dim], group, tp)
+        head, sep, tail = name.rpartition(".c_attn.")
+        if sep and tail[:2] in ("q.", "k.", "v."):        # named_parameters gives q, then k, then v
+            out.setdefault(f"{head}.c_attn.{tail[2:]}", []).append(grad)
         else:
-            how = next((h for suffix, h in BY_HAND_LAYOUT.items() if name.endswith(suffix)), "replicated")
-            grad = gathered(grad, how, group, tp)
-        out[name] = grad
-    return out
+            out[name] = grad
+    return {name: torch.cat(g) if isinstance(g, list) else g for name, g in out.items()}
 
 
 def apply_2d(model: nn.Module, mesh) -> nn.Module:

@@ -1,5 +1,7 @@
-"""lablib.tp_probes and lablib.tensor_parallel without a torchrun start: the reference f and g, the layouts,
-the probe's verdicts on stand-in modules at world size 1, and DTensor's plan on a mesh of one rank."""
+"""lablib.tp_probes and lablib.tensor_parallel: exercise 1's check on a correct pair, a swapped one and DTensor's
+(exercises 2 and 3's stand-in, which it must refuse), the layer probe's verdicts on stand-in modules at world size
+1, the attention's shards found by value and judged by head, one 2-rank run of each new verdict, and DTensor's plan
+on a mesh of one rank."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lablib import tensor_parallel, tp_probes
+import labkit
+from lablib import launch, tensor_parallel, tp_probes
 from lablib.checks import CheckFailed
-from lablib.models import GPT, GPTConfig
+from lablib.models import GPT, CausalSelfAttention, GPTConfig
 from lablib.runs import tensor_parallel as tp_run
+
+LAB = "08_tensor_parallel"
 
 
 @pytest.fixture()
@@ -24,42 +29,70 @@ def one_rank():
         yield env
 
 
-def copy_of(function):
-    """The same code as a new function object: what a student who copied lablib's reference would run."""
-    return types.FunctionType(function.__code__, function.__globals__, function.__name__)
+# --- a correct f and g that is not exercise 1's answer (autograd functions): a tensor hook and a straight-through
+# sum. Here, not in lablib (students install it) nor in instructor.references (the grader's ranks can import it).
+
+def _summed(t, group):
+    out = t.detach().clone()
+    dist.all_reduce(out, group=group)
+    return out
 
 
-def test_reference_f_and_g_communicate_in_one_direction_each(one_rank):
-    pair = types.SimpleNamespace(f=copy_of(tp_probes.reference_f), g=copy_of(tp_probes.reference_g))
-    record = tp_probes.probe_f_g(pair, 1, dist.group.WORLD, 0)
+def hook_f(x, group):
+    out = x.view_as(x)
+    if out.requires_grad:
+        out.register_hook(lambda grad: _summed(grad, group))
+    return out
+
+
+def hook_g(x, group):
+    return x + (_summed(x, group) - x.detach())
+
+
+def test_a_correct_pair_passes_and_a_swapped_one_fails(one_rank):
+    record = tp_probes.probe_f_g(types.SimpleNamespace(f=hook_f, g=hook_g), 1, dist.group.WORLD, 0)
     tp_probes.check_f_g(record)
     assert record["f"]["forward"] == {} and record["f"]["backward"] == {"all_reduce": 1}
     assert record["g"]["forward"] == {"all_reduce": 1} and record["g"]["backward"] == {}
-
-
-def test_the_reference_pair_itself_is_refused_as_an_answer(one_rank):
-    with pytest.raises(CheckFailed, match="not an answer"):
-        tp_probes.check_f_g(tp_probes.probe_f_g(tp_probes.REFERENCE_F_G, 1, dist.group.WORLD, 0))
-    x = torch.ones(2, requires_grad=True)
-    assert torch.equal(tp_probes.reference_f(x, dist.group.WORLD), x)     # and works again after the probe
-
-
-def test_swapped_f_and_g_fail_the_check(one_rank):
-    swapped = types.SimpleNamespace(f=copy_of(tp_probes.reference_g), g=copy_of(tp_probes.reference_f))
     with pytest.raises(CheckFailed, match="all-reduces"):
-        tp_probes.check_f_g(tp_probes.probe_f_g(swapped, 1, dist.group.WORLD, 0))
+        tp_probes.check_f_g(tp_probes.probe_f_g(types.SimpleNamespace(f=hook_g, g=hook_f), 1, dist.group.WORLD, 0))
+
+
+def test_dtensors_f_and_g_are_right_but_not_exercise_1_on_one_rank(one_rank):
+    pair = tp_probes.DTensorFG()
+    record = tp_probes.probe_f_g(pair, 1, dist.group.WORLD, 0)
+    assert record["error"] is None
+    for op in ("f", "g"):                                   # the values are right ...
+        assert record[op]["y_diff"] == 0.0 and record[op]["grad_diff"] == 0.0, record[op]
+        assert record[op]["forward"] == {} == record[op]["backward"], record[op]   # ... with nothing sent
+    with pytest.raises(CheckFailed, match="all-reduces"):
+        tp_probes.check_f_g(record)
+
+
+def test_dtensors_f_and_g_on_two_ranks_are_refused_as_functional_collectives(tmp_path):
+    impl = tmp_path / "dtensor_comm_impl.py"
+    impl.write_text("from lablib.tp_probes import DTensorFG\n\n_pair = DTensorFG()\nf, g = _pair.f, _pair.g\n")
+    run = launch.run("tensor_parallel", {"impl": str(impl), "exercise": "f_g", "groups": ("2",)}, nproc=2,
+                     timeout_s=120, quiet=True)
+    record = run.metrics.runs["2:bias"]
+    for op in ("f", "g"):                                   # Megatron's f and g on 2 ranks: the sums are right
+        assert record[op]["y_diff"] < 1e-6 and record[op]["grad_diff"] < 1e-6, record[op]
+        assert record[op]["functional"] == ["_c10d_functional.all_reduce"], record[op]
+    with pytest.raises(CheckFailed, match="functional collectives"):
+        tp_probes.check_f_g(record)
 
 
 class WholeMLP(nn.Module):
-    """A stand-in for a student's class at world size 1: the full layers, f and g around them."""
+    """A stand-in for a student's class at world size 1: the full layers, DTensor's f and g around them."""
 
     def __init__(self, mlp, group, bias_twice=False):
         super().__init__()
         self.c_fc, self.c_proj, self.group, self.bias_twice = mlp.c_fc, mlp.c_proj, group, bias_twice
+        self.comm = tp_probes.DTensorFG()
 
     def forward(self, x):
-        h = F.gelu(self.c_fc(tp_probes.reference_f(x, self.group)))
-        out = tp_probes.reference_g(h @ self.c_proj.weight.T, self.group)
+        h = F.gelu(self.c_fc(self.comm.f(x, self.group)))
+        out = self.comm.g(h @ self.c_proj.weight.T, self.group)
         if self.c_proj.bias is not None:
             out = out + self.c_proj.bias * (2 if self.bias_twice else 1)
         return out
@@ -68,6 +101,7 @@ class WholeMLP(nn.Module):
 def test_probe_passes_a_correct_module_and_fails_a_doubled_bias(one_rank):
     good = types.SimpleNamespace(TensorParallelMLP=WholeMLP)
     for record in tp_probes.probe_without_processes(good, "mlp"):
+        assert record["forward"][0] == [] == record["backward"][0]     # DTensor sends nothing on one rank
         tp_probes.check_layer(record)
     bad = types.SimpleNamespace(TensorParallelMLP=lambda mlp, group: WholeMLP(mlp, group, bias_twice=True))
     record = tp_probes.probe_layer(bad, "mlp", 1, dist.group.WORLD, one_rank, bias=True)
@@ -75,9 +109,21 @@ def test_probe_passes_a_correct_module_and_fails_a_doubled_bias(one_rank):
         tp_probes.check_layer(record)
 
 
+def test_on_one_rank_an_own_f_and_g_may_all_reduce(one_rank):
+    """A student's MLP with f and g of its own (not the stand-in's) all-reduces on one rank too: also right."""
+    class OwnComm(WholeMLP):
+        def forward(self, x):
+            out = hook_g(F.gelu(self.c_fc(hook_f(x, self.group))) @ self.c_proj.weight.T, self.group)
+            return out if self.c_proj.bias is None else out + self.c_proj.bias
+    record = tp_probes.probe_layer(types.SimpleNamespace(TensorParallelMLP=OwnComm), "mlp", 1, dist.group.WORLD,
+                                   one_rank, bias=True)
+    assert [c[0] for c in record["forward"][0]] == ["all_reduce"]
+    tp_probes.check_layer(record)
+
+
 def test_probe_reports_wrong_shapes_without_running():
-    assert tp_probes.shard_shape((12, 4), "col", 2) == (6, 4)
-    assert tp_probes.shard_shape((4, 12), "row", 3) == (4, 4)
+    assert tp_probes.shard_shape((12, 4), "col", 2) == (6, 4) == tp_probes.shard_shape((12, 4), "qkv", 2)
+    assert tp_probes.shard_shape((4, 12), "row", 3) == (4, 4) == tp_probes.shard_shape((4, 12), "heads", 3)
     assert tp_probes.shard_shape((7,), "replicated", 2) == (7,)
     record = {"kind": "mlp", "tp": 2, "bias": True, "error": None, "missing": [], "extra": [],
               "wrong_shapes": {"c_fc.weight": [[64, 8], [32, 16]]}}
@@ -94,10 +140,129 @@ def test_groups_and_their_process_counts():
         tp_run.Config(groups=("2x2",)).validate_world(2)
 
 
-def test_qkv_rows_by_rank_puts_each_ranks_heads_together():
-    order = tensor_parallel.qkv_rows_by_rank(4, 2)
-    assert order.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
-    assert sorted(order.tolist()) == list(range(12))
+# --- the attention: shards found by value, judged by head ---------------------------------------------------------
+
+def qkv_rows(n_embd: int, n_head: int, heads, per_head: bool = False) -> list[int]:
+    """c_attn's rows of ``heads``: q rows of all of them, then k, then v; or (per_head) Megatron-LM's order."""
+    size = n_embd // n_head
+    rows = [[part * n_embd + h * size + c for c in range(size)] for h in heads for part in range(3)]
+    order = rows if per_head else rows[0::3] + rows[1::3] + rows[2::3]
+    return [j for block in order for j in block]
+
+
+def columns(n_embd: int, n_head: int, heads) -> list[int]:
+    size = n_embd // n_head
+    return [h * size + c for h in heads for c in range(size)]
+
+
+@pytest.mark.parametrize("split", [[[0, 1], [2, 3]], [[0, 2], [3, 1]], [[3, 2, 1, 0]]])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_whole_heads_in_any_order_and_any_assignment_are_right(split, per_head):
+    n_embd, n_head = 16, 4
+    rows = [qkv_rows(n_embd, n_head, heads, per_head) for heads in split]
+    assert tp_probes.head_split_problems(rows, [columns(n_embd, n_head, h) for h in split], n_embd, n_head) == []
+
+
+def test_head_split_problems_name_what_is_wrong():
+    n_embd, n_head, split = 16, 4, [[0, 1], [2, 3]]
+    cols = [columns(n_embd, n_head, h) for h in split]
+    good = [qkv_rows(n_embd, n_head, h) for h in split]
+
+    def problems(rows, cols=cols):
+        return " ".join(tp_probes.head_split_problems(rows, cols, n_embd, n_head))
+    assert "no row of the full c_attn" in problems([good[0][:-1] + [-1], good[1]])
+    assert "not the q, k and v rows of whole heads" in problems([list(range(24)), list(range(24, 48))])  # q | k
+    assert "not the q, k and v rows of whole heads" in problems(          # half of every head's channels
+        [[p * 16 + h * 4 + c for p in range(3) for h in range(4) for c in (0, 1)],
+         [p * 16 + h * 4 + c for p in range(3) for h in range(4) for c in (2, 3)]])
+    assert "exactly one rank" in problems([good[0], good[0]], [cols[0], cols[0]])
+    assert "c_proj columns are not the channels" in problems(good, [cols[1], cols[0]])
+    assert "no column of the full one" in problems(good, [cols[0][:-1] + [-1], cols[1]])
+
+
+def test_shards_are_found_by_value_and_assembled_back(one_rank):
+    full = torch.randn(12, 5)
+    order = torch.tensor([7, 2, 9, 0])
+    assert tensor_parallel.index_by_value(full[order], full).tolist() == order.tolist()
+    assert tensor_parallel.index_by_value(full[order] * 1.5, full).tolist() == [-1] * 4
+    w = full.T                                                        # (5, 12): its columns
+    assert tensor_parallel.index_by_value(w[:, order].T, w.T).tolist() == order.tolist()
+    assert tensor_parallel.contiguous_index(12, 1, 3).tolist() == [4, 5, 6, 7]
+    back = tensor_parallel.assembled(full[order], order, 0, 12, dist.group.WORLD, 1)
+    assert torch.equal(back[order], full[order]) and back[[1, 3]].isinf().all()
+
+
+class MegatronAttention(nn.Module):
+    """The whole attention at world size 1 with c_attn's rows in Megatron-LM's order (each head's q, k, v
+    together) and the heads reversed: right, though no contiguous layout; ``scale`` != 1 copies no row."""
+
+    def __init__(self, attn, group, scale=1.0):
+        super().__init__()
+        n_embd, self.n_head, self.group = attn.c_attn.in_features, attn.n_head, group
+        heads = list(range(attn.n_head))[::-1]
+        rows, cols = qkv_rows(n_embd, attn.n_head, heads, per_head=True), columns(n_embd, attn.n_head, heads)
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=attn.c_attn.bias is not None)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=attn.c_proj.bias is not None)
+        with torch.no_grad():
+            self.c_attn.weight.copy_(attn.c_attn.weight[rows] * scale)
+            self.c_proj.weight.copy_(attn.c_proj.weight[:, cols])
+            for mine, theirs, index in ((self.c_attn.bias, attn.c_attn.bias, rows), (self.c_proj.bias, attn.c_proj.bias, None)):
+                if mine is not None:
+                    mine.copy_(theirs if index is None else theirs[index])
+        self.comm = tp_probes.DTensorFG()
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        qkv = self.c_attn(self.comm.f(x, self.group)).view(B, T, self.n_head, 3, -1)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        y = self.comm.g(F.linear(y, self.c_proj.weight), self.group)
+        return y if self.c_proj.bias is None else y + self.c_proj.bias
+
+
+def test_attention_probe_follows_rows_found_by_value(one_rank):
+    for record in tp_probes.probe_without_processes(types.SimpleNamespace(TensorParallelAttention=MegatronAttention),
+                                                    "attention"):
+        assert record["head_split"] == []
+        tp_probes.check_layer(record)
+    scaled = types.SimpleNamespace(TensorParallelAttention=lambda attn, group: MegatronAttention(attn, group, 1.01))
+    record = tp_probes.probe_layer(scaled, "attention", 1, dist.group.WORLD, one_rank, bias=True)
+    with pytest.raises(CheckFailed, match="no row of the full c_attn"):
+        tp_probes.check_layer(record)
+
+
+def test_by_hand_gradients_are_put_back_through_the_rows_found(one_rank):
+    torch.manual_seed(0)
+    single = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    initial = {name: p.detach().clone() for name, p in single.named_parameters()}
+    by_hand = tensor_parallel.apply_by_hand(copy.deepcopy(single), dist.group.WORLD, WholeMLP, MegatronAttention, 1)
+    idx, targets = torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8))
+    for model in (single, by_hand):
+        model(idx, targets)[1].backward()
+    grads = tensor_parallel.full_gradients(by_hand, dist.group.WORLD, 1, initial)
+    for name, p in single.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-6), name
+
+
+def test_megatron_layout_round_robin_heads_pass_on_two_ranks(tmp_path):
+    """The lab's correct variant of exercise 3 (tests/wrong_answers/08_tensor_parallel.py) on real ranks."""
+    (description, source), = labkit.correct_variants(LAB)["tp_attention"]
+    impl = tmp_path / "tp_attention_impl.py"
+    impl.write_text(source.split("\n", 1)[1])                      # without its %%writefile line
+    run = launch.run("tensor_parallel", {"impl": str(impl), "exercise": "attention", "groups": ("2",),
+                                         "cases": ("bias",)}, nproc=2, timeout_s=120, quiet=True)
+    record = run.metrics.runs["2:bias"]
+    tp_probes.check_layer(record)
+    assert record["forward"][0] == [["all_reduce", record["bytes_per_activation"]]], record["forward"]
+
+
+# --- DTensor's plan ------------------------------------------------------------------------------------------------
+
+def test_separate_qkv_computes_what_c_attn_does():
+    attn = CausalSelfAttention(GPTConfig(n_layer=1, n_head=2, n_embd=16))
+    x = torch.randn(2, 5, 16)
+    # the same products, summed in another order by three matrix products instead of one: fp32 rounding apart
+    torch.testing.assert_close(tensor_parallel.SeparateQKV(attn.c_attn)(x), attn.c_attn(x))
 
 
 def test_dtensor_plan_on_one_rank_gives_the_single_process_loss_and_gradients(one_rank):
@@ -116,6 +281,7 @@ def test_dtensor_plan_on_one_rank_gives_the_single_process_loss_and_gradients(on
         parallel_loss.backward()
     assert abs(parallel_loss.full_tensor().item() - loss.item()) < 1e-6
     grads = tensor_parallel.full_gradients(parallel, dist.group.WORLD, 1)
+    assert sorted(grads) == sorted(name for name, _ in single.named_parameters())
     for name, p in single.named_parameters():
         assert torch.allclose(grads[name], p.grad, atol=1e-6), name
     assert tensor_parallel.local_param_bytes(parallel) == tensor_parallel.local_param_bytes(single)

@@ -77,7 +77,7 @@ def run(env, config: Config) -> dict:
             _, local = model(x[dp_rank * share:(dp_rank + 1) * share], y[dp_rank * share:(dp_rank + 1) * share])
             local.backward()
         sgd_step_(model.parameters(), config.lr)
-        losses = gather_objects(float(local), env)
+        losses = gather_objects(local.item(), env)
         out["losses"]["2d"].append(sum(losses) / len(losses))
         out["comm"].append({"fsdp": dict(Counter(c.name for c in log.calls if not c.functional)),   # not DTensor's
                             "comm_debug_mode": {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}})

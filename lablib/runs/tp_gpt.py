@@ -72,6 +72,8 @@ def run(env, config: Config) -> dict:
     batches = list(itertools.islice(whole, config.steps))
     torch.manual_seed(config.seed)
     single = GPT(gpt_config(config, tokenizer.vocab_size))
+    # The weights every variant starts from: by_hand's attention rows are found in them by value (full_gradients).
+    initial = {name: p.detach().clone() for name, p in single.named_parameters()}
     mlp = tp_probes.load_impl(config.mlp_impl, ("TensorParallelMLP",), reference_comm=False)
     attention = tp_probes.load_impl(config.attention_impl, ("TensorParallelAttention",), reference_comm=False)
     group = dist.group.WORLD
@@ -112,7 +114,8 @@ def run(env, config: Config) -> dict:
                 comm[phase].append({"counts": counts, "bytes": sum(c.bytes for c in mine) if mine else None})
             losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
             if step == 0:
-                grads = tensor_parallel.full_gradients(model, group, 1 if name == "single" else tp)
+                grads = tensor_parallel.full_gradients(model, group, 1 if name == "single" else tp,
+                                                       initial if name == "by_hand" else None)
                 if name == "single":
                     reference = grads
                 else:

@@ -1,7 +1,11 @@
 """Wrong answers for lab 08 (see tests/wrong_answers/__init__.py): the solution's own cells with one mistake each.
 
-Only the mistakes the issue names, plus two that the world-size-1 pre-check catches without a torchrun start:
-every other wrong answer costs one 4-rank start of CI time.
+Only the mistakes the issue names, plus those the world-size-1 pre-check catches without a torchrun start (every
+other wrong answer costs one 4-rank start of CI time). Among the latter, the ways to take exercise 1 from the
+course instead of writing it: lablib's old reference pair (gone from lablib: the import and the code-object copy
+fail), DTensor's f and g that stand in for exercise 1 while exercises 2 and 3 are graded (copied or called: the
+check refuses functional collectives, and they send nothing on one rank), and the instructor's package (the
+grader's kernel and ranks can import ``instructor``; lab 08 keeps no f and g there).
 """
 
 from __future__ import annotations
@@ -10,6 +14,14 @@ from wrong_answers import SolutionCells
 
 _cells = SolutionCells("08_tensor_parallel")
 _changed = _cells.changed
+_F_AND_G = ("def f(x, group):\n    return CopyToTensorParallel.apply(x, group)\n\n\n"
+            "def g(x, group):\n    return ReduceFromTensorParallel.apply(x, group)")
+
+
+def _f_g_replaced(by: str) -> str:
+    """Exercise 1's cell with its f and g replaced by ``by`` (the autograd functions left unused above it)."""
+    return _changed("tp_f_g", (_F_AND_G, by.strip("\n")))
+
 
 WRONG_ANSWERS = {
     "tp_f_g": [
@@ -23,11 +35,47 @@ WRONG_ANSWERS = {
                        "        dist.all_reduce(grad_output, group=ctx.group)\n"
                        "        return grad_output, None                   # d(sum_r x_r)/dx_r = 1"),
             ("        total = x.contiguous().clone()", "        ctx.group = group\n        total = x.contiguous().clone()"))),
-        ("f and g taken from lablib's reference pair instead of written (the pre-check refuses it in process)", _changed(
-            "tp_f_g", ("def f(x, group):\n    return CopyToTensorParallel.apply(x, group)",
-                       "from lablib.tp_probes import reference_f as f  # noqa: E402"),
-            ("def g(x, group):\n    return ReduceFromTensorParallel.apply(x, group)",
-             "from lablib.tp_probes import reference_g as g  # noqa: E402"))),
+        ("f and g imported from lablib's old reference pair (lablib.tp_probes.reference_f and reference_g, gone: "
+         "the import fails)", _f_g_replaced(
+            "from lablib.tp_probes import reference_f as f  # noqa: E402\n"
+            "from lablib.tp_probes import reference_g as g  # noqa: E402")),
+        ("f and g copied when the module loads from the code objects of lablib's old reference pair (which "
+         "checks.answer_without, swapping the original's code during the check, never saw): gone, the copy fails",
+         _f_g_replaced('''
+import types  # noqa: E402
+
+from lablib import tp_probes  # noqa: E402
+
+f = types.FunctionType(tp_probes.reference_f.__code__, tp_probes.reference_f.__globals__)
+g = types.FunctionType(tp_probes.reference_g.__code__, tp_probes.reference_g.__globals__)
+''')),
+        ("f and g copied when the module loads from the code of lablib's DTensorFG (exercises 2 and 3's stand-in): "
+         "DTensor's functional collectives, and none at all on one rank", _f_g_replaced('''
+import types  # noqa: E402
+
+from lablib.tp_probes import DTensorFG  # noqa: E402
+
+_pair = DTensorFG()
+f = types.MethodType(types.FunctionType(DTensorFG.f.__code__, DTensorFG.f.__globals__), _pair)
+g = types.MethodType(types.FunctionType(DTensorFG.g.__code__, DTensorFG.g.__globals__), _pair)
+''')),
+        ("f and g delegate to lablib's DTensorFG (exercises 2 and 3's stand-in) instead of the autograd functions",
+         _f_g_replaced('''
+from lablib.tp_probes import DTensorFG  # noqa: E402
+
+_COURSE = DTensorFG()
+
+
+def f(x, group):
+    return _COURSE.f(x, group)
+
+
+def g(x, group):
+    return _COURSE.g(x, group)
+''')),
+        ("f and g taken from the course repository's instructor package (importable where the grader runs): lab 08 "
+         "keeps no f and g there, the import fails", _f_g_replaced(
+            "from instructor.references.tensor_parallel import reference_f as f, reference_g as g  # noqa: E402")),
     ],
     "tp_mlp": [
         ("the row-parallel bias added on every rank, before the all-reduce", _changed(
@@ -42,8 +90,10 @@ WRONG_ANSWERS = {
             "tp_attention", ("        self.n_head = attn.n_head // n                       # whole heads on this rank",
                              "        self.n_head = attn.n_head"),
             ("        width = self.n_head * (n_embd // attn.n_head)", "        width = n_embd // n"))),
-        ("c_attn's rows taken with lablib's qkv_rows_by_rank (the DTensor section's helper) instead of split by "
-         "head (the pre-check refuses it in process)", _changed(
+        ("every rank keeps the first n_head / N heads (its rank forgotten): heads 0.. twice, the others nowhere",
+         _changed("tp_attention", ("        mine = slice(r * width, (r + 1) * width)", "        mine = slice(0, width)"))),
+        ("c_attn's rows taken with lablib's old qkv_rows_by_rank (the DTensor section's helper, gone since: DTensor "
+         "now splits separate q, k and v layers; the import fails)", _changed(
             "tp_attention", ("            self.c_attn.weight.copy_(w_qkv[:, mine].flatten(0, 1))",
                              "            from lablib.tensor_parallel import qkv_rows_by_rank\n"
                              "            order = qkv_rows_by_rank(n_embd, n).chunk(n)[r]\n"
@@ -57,7 +107,8 @@ WRONG_ANSWERS = {
 }
 
 # f and g with the all-reduce spelled other ways: counted all the same (lablib.counting counts torch's ops, not
-# names; a name imported from torch.distributed was once missed, "no all-reduce was called").
+# names; a name imported from torch.distributed was once missed, "no all-reduce was called"). The attention split
+# another valid way: the check finds the rows by value and asks only for whole heads, each on one rank.
 CORRECT_VARIANTS = {
     "tp_f_g": [
         ("all_reduce imported by name (from torch.distributed import all_reduce)", _changed(
@@ -73,5 +124,23 @@ CORRECT_VARIANTS = {
              "        torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.SUM, group=ctx.group)"),
             ("        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)",
              "        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)"))),
+    ],
+    "tp_attention": [
+        ("Megatron-LM's layout: each head's q, k and v rows together in c_attn, and the heads dealt round-robin "
+         "(rank r: heads r, r + N, ...), c_proj's columns in the same order", _changed(
+            "tp_attention",
+            ("        mine = slice(r * width, (r + 1) * width)",
+             "        size = n_embd // attn.n_head\n"
+             "        mine = torch.cat([torch.arange(h * size, (h + 1) * size) for h in range(r, attn.n_head, n)])"),
+            ("            self.c_attn.weight.copy_(w_qkv[:, mine].flatten(0, 1))",
+             "            # (3, heads * size, n_embd) -> (heads, 3, size, n_embd): head by head, its q, k and v rows\n"
+             "            self.c_attn.weight.copy_(w_qkv[:, mine].unflatten(1, (self.n_head, size)).transpose(0, 1).flatten(0, 2))"),
+            ("                self.c_attn.bias.copy_(attn.c_attn.bias.detach().unflatten(0, (3, n_embd))[:, mine].flatten())",
+             "                b_qkv = attn.c_attn.bias.detach().unflatten(0, (3, n_embd))[:, mine]\n"
+             "                self.c_attn.bias.copy_(b_qkv.unflatten(1, (self.n_head, size)).transpose(0, 1).flatten())"),
+            ("        q, k, v = self.c_attn(f(x, self.group)).chunk(3, dim=2)          # (B, T, width) each\n"
+             "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (B, h/N, T, hs)",
+             "        qkv = self.c_attn(f(x, self.group)).view(B, T, self.n_head, 3, -1)   # per head: q, k, v\n"
+             "        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))             # (B, h/N, T, hs)"))),
     ],
 }
