@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from lablib.p2p import CountingComm
 
@@ -153,14 +154,27 @@ def _fake_functions(world: _World) -> dict[str, Callable]:
     return fakes
 
 
+def _bound_before(*args, **kwargs):
+    """Stands in for c10d._get_default_group while the rehearsal runs. The fakes replace torch.distributed's module
+    attributes, so a function bound by name before (``from torch.distributed import all_reduce``) is the real one;
+    called with no process group it reaches _get_default_group (distributed_c10d.py:1420 in torch 2.13, as every
+    torch.distributed function does), and the rehearsal steps aside for the real run instead of failing a correct
+    answer."""
+    raise RehearsalUnsupported("a torch.distributed function bound by name before the rehearsal (e.g. 'from "
+                               "torch.distributed import all_reduce') is not rehearsed in threads")
+
+
 @contextlib.contextmanager
 def _patched(fakes: dict[str, Callable]):
     saved = {name: getattr(dist, name) for name in fakes if hasattr(dist, name)}
+    saved_default_group = c10d._get_default_group
     for name, fake in fakes.items():
         setattr(dist, name, fake)
+    c10d._get_default_group = _bound_before
     try:
         yield
     finally:
+        c10d._get_default_group = saved_default_group
         for name in fakes:
             if name in saved:
                 setattr(dist, name, saved[name])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import os
@@ -79,6 +80,44 @@ class WrongAnswerResult:
     points_possible: float
 
 
+def _statements(source: str) -> list[ast.stmt]:
+    """A cell's top-level statements, IPython magics and shell lines left out ([] when it is not Python)."""
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    try:
+        return ast.parse(code).body
+    except SyntaxError:
+        return []
+
+
+def _stored_and_loaded(statement: ast.stmt) -> tuple[set[str], set[str]]:
+    names = [n for n in ast.walk(statement) if isinstance(n, ast.Name)]
+    return ({n.id for n in names if isinstance(n.ctx, ast.Store)}, {n.id for n in names if isinstance(n.ctx, ast.Load)})
+
+
+def size_dependent_cells(nb) -> list[int]:
+    """Indices of the code cells to re-run when NBGRADER_EXECUTION changes: the cells that assign a value computed
+    from GRADING, or from a value so computed, transitively (``STEPS = 6 if GRADING else 12``; then a baseline
+    trained for STEPS steps). A statement that reads such a name makes the names it assigns size-dependent;
+    function and class definitions do not (they read GRADING when called). Exercise answers and graded checks
+    are left out: the wrong-answer checks re-run those themselves."""
+    tainted = {"GRADING"}
+    rerun = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or nbg(cell).get("solution") or nbg(cell).get("grade"):
+            continue
+        assigns = GRADING_READ.search(cell.source) is not None
+        for statement in _statements(cell.source):
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+                continue
+            stored, loaded = _stored_and_loaded(statement)
+            if stored and loaded & tainted:
+                tainted |= stored
+                assigns = True
+        if assigns:
+            rerun.append(i)
+    return rerun
+
+
 class LabRaised(AssertionError):
     """A cell of the solution raised while the notebook ran top to bottom: which cell, and its error."""
 
@@ -134,16 +173,22 @@ class LiveLab:
                                     f"(NBGRADER_EXECUTION unset): {cell_errors(done)}\n--- the cell begins:\n{head}")
         return executed
 
-    def use_grading_sizes(self) -> None:
-        """Switch the live kernel to nbgrader's sizes: NBGRADER_EXECUTION set, the cells that read it re-run."""
+    def use_grading_sizes(self) -> list[int]:
+        """Switch the live kernel to nbgrader's sizes: NBGRADER_EXECUTION set, then every cell re-run whose result
+        depends on it (``size_dependent_cells``: the cell that sets GRADING, and each later cell that reads a name
+        one of them assigned, e.g. a baseline trained for STEPS steps), so that the checks re-run afterwards compare
+        with what nbgrader's run compares with. Returns the indices of the cells re-run."""
         errors = cell_errors(self.client.execute_cell(nbformat.v4.new_code_cell(GRADING_SWITCH), 0))
-        readers = [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code" and GRADING_READ.search(c.source)]
-        if errors or not readers:
+        rerun = size_dependent_cells(self.nb)
+        if errors or not rerun:
             raise LabRaised(f"{self.lab}: cannot switch to grading sizes ({errors or 'no cell sets GRADING'})")
-        for i in readers:
+        for i in rerun:
             errors = cell_errors(self.run_cell(i))
             if errors:
                 raise LabRaised(f"{self.lab}: code cell {i}, re-run at grading sizes, raised: {errors}")
+        return rerun
+
+
 
     def try_wrong_answer(self, exercise: str, description: str, source: str,
                          stop_at_first_failure: bool = True) -> WrongAnswerResult:

@@ -135,7 +135,10 @@ def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutio
         interactive_solutions[lab] = tmp_path / lab / f"{lab}.ipynb"
         nbformat.write(executed, interactive_solutions[lab])
         t1 = time.perf_counter()
-        live.use_grading_sizes()
+        rerun = live.use_grading_sizes()
+        lab_times[lab]["re-run at grading sizes"] = time.perf_counter() - t1
+        print(f"switched to nbgrader's sizes: re-ran code cells {rerun} in {lab_times[lab]['re-run at grading sizes']:.0f} s")
+        t1 = time.perf_counter()
         for exercise, answers in wrong.items():
             for description, source in answers:
                 r = live.try_wrong_answer(exercise, description, source)

@@ -201,3 +201,13 @@ def mean_across_ranks(value, env):
         ("believes Accelerate shards a model that does not fit by itself", 'pick = {"S1": "ddp", "S2": "accelerate", "S3": "accelerate"}'),
     ],
 }
+
+CORRECT_VARIANTS = {
+    "ddp_parts": [
+        # The thread rehearsal before the real run replaces torch.distributed's module attributes; a name bound
+        # before it is the real function, and the rehearsal must step aside rather than fail the answer.
+        ("the all-reduce imported by name (from torch.distributed import all_reduce)",
+         _DDP_HEADER + "from torch.distributed import all_reduce\n" + _WRAP + _LOADER + _EPOCH
+         + _MEAN.replace("    dist.all_reduce(total)", "    all_reduce(total)")),
+    ],
+}
