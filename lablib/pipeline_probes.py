@@ -112,7 +112,7 @@ def check_schedule(kind: str, orders, n_stages: int, n_microbatches: int, what: 
                       hint="start each backward as early as its gradient can arrive")
 
 
-def check_same_schedule(got, expected, what: str) -> None:
+def check_same_schedule(got, expected, what: str, hint: str = "") -> None:
     """got equals expected stage by stage (both lists of ("F"/"B", j) per stage); a failure names the first stage
     and position that differ and shows a few operations around it, not the whole lists."""
     checks.check_true(isinstance(got, (list, tuple)) and len(got) == len(expected),
@@ -124,7 +124,7 @@ def check_same_schedule(got, expected, what: str) -> None:
             lo = max(0, i - 4)
             checks.check_true(False, f"{what}, stage {s}: differs at operation {i} of {len(theirs)}\n"
                               f"  expected: ... {pipeline.ops_text(theirs[lo:i + 5])} ...\n"
-                              f"  got:      ... {pipeline.ops_text(mine[lo:i + 5])} ...")
+                              f"  got:      ... {pipeline.ops_text(mine[lo:i + 5])} ...", hint)
 
 
 def _as_ops(rank_ops, what: str) -> list[tuple[str, int]]:

@@ -142,7 +142,7 @@ def _rank_orders(m, cap):
     return out
 
 
-@pytest.mark.parametrize("p,m", [(2, 3), (2, 4), (3, 5), (4, 3), (4, 5)])
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 4), (3, 5), (4, 2), (4, 3), (4, 5)])
 def test_exercise_1s_checks_leave_one_1f1b_order(p, m):
     """Exercise 3 compares with the student's own exercise 1 where it passes exercise 1's checks: at the (p, m)
     the notebook uses, those checks leave exactly one 1F1B order, the reference's (so no cascade)."""
