@@ -14,6 +14,7 @@ The test prints which lab runs and why.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -44,6 +45,7 @@ SETTINGS = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"wind
             "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
                                                                                "checkForUpdates": False}}
 RUN_LIMIT_S = 600
+STAMP = ".lablib-installed"   # launchers/_setup.sh's record of what .venv was installed from
 STDERR = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
 
 
@@ -78,12 +80,28 @@ def course(tmp_path_factory) -> Path:
         else:
             root.mkdir(parents=True, exist_ok=True)
             shutil.copy(src, root / name)
-    (root / ".venv").symlink_to(labkit.REPO / ".venv")
+    shared_venv(root / ".venv")
     assert not (root / "grading").exists(), "the copy must start like a fresh clone, without grading/"
     for name, value in SETTINGS.items():
         (root.parent / "settings" / name).parent.mkdir(parents=True, exist_ok=True)
         (root.parent / "settings" / name).write_text(json.dumps(value))
     return root
+
+
+def shared_venv(venv: Path) -> None:
+    """The repository's .venv for the copy, entry by entry, with a stamp of the copy's own. launchers/lab
+    reinstalls the environment whenever .venv/.lablib-installed differs from the hash of requirements.txt and
+    pyproject.toml; with the whole .venv linked, a stale stamp made the copy's launchers/lab reinstall the shared
+    .venv with lablib and instructor installed from the copy (seen twice: every kernel started outside the
+    repository then lacked lablib, until pip install -e of the repository). Its own stamp says the copy's files,
+    so the copy never installs anything; keeping .venv up to date is the repository's launchers' work."""
+    venv.mkdir()
+    for entry in (labkit.REPO / ".venv").iterdir():
+        if entry.name != STAMP:
+            (venv / entry.name).symlink_to(entry)
+    course = venv.parent
+    digest = hashlib.sha256((course / "requirements.txt").read_bytes() + (course / "pyproject.toml").read_bytes())
+    (venv / STAMP).write_text(digest.hexdigest() + "\n")   # as launchers/_setup.sh's _want_stamp computes it
 
 
 @contextmanager
@@ -107,6 +125,8 @@ def jupyterlab(course: Path, *args: str):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"launchers/lab {' '.join(args)} did not serve:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
+        assert "creating the course environment" not in log.read_text(), \
+            f"launchers/lab reinstalled .venv from the copy (see shared_venv):\n{log.read_text()[-2000:]}"
         yield base, token
     finally:
         kill_run(proc, marker)
