@@ -15,12 +15,17 @@ the same batches, each time with the model states kept differently:
 
 In the last step each rank counts the bytes of its parameters, gradients and optimizer state (each storage
 once, DTensors by their local shard; ``lablib.memory``) at three moments: after the forward, after the
-backward, after the optimizer step. Rank 0 gathers every rank's counts and writes them with the losses.
-The global batch is the same for every world size, so the losses must match across variants *and* N.
+backward, after the optimizer step. Rank 0 gathers every rank's counts and writes them with the losses,
+and with ``formula_slack_bytes``: how far above lab 04's formula the fullest rank may be, from what the formula
+leaves out (AdamW's step counters, whole tensors and whole rows instead of exact 1/N shares).
+The global batch is the same for every world size, so the losses must match across variants *and* N: bit for bit
+where the arithmetic is the same, to float32 rounding of the loss's own mean at the first step (the notebook says
+why AdamW allows no bound from the arithmetic after it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +38,7 @@ from lablib import data, memory, rankcheck, script
 from lablib.models import GPT, GPTConfig, gpt_config
 
 VARIANTS = ("ddp", "zero1", "fsdp_grad_op", "fsdp_full", "fsdp_grad_op_bf16")
+ADAM_STEP_BYTES = 4     # AdamW keeps each parameter tensor's step count in a float32 tensor of its own
 PHASES = ("after_forward", "after_backward", "after_step")
 
 
@@ -152,6 +158,31 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
     return {"losses": losses, "memory": counts}
 
 
+def formula_slack_bytes(param_shapes: list[list[int]], world_size: int) -> dict[str, float]:
+    """Bytes the fullest rank may hold above lab 04's fp32 + AdamW formula (4 + 4 + 8 bytes per parameter, each
+    divided by N from the stage that shards it), per variant of this run. What the formula leaves out:
+
+    - AdamW's step counter, 4 bytes per parameter tensor, kept with the state (every tensor's on every rank for
+      DDP and FSDP2; at most all of them on ZeRO-1's fullest rank);
+    - ZeRO-1 (``ZeroRedundancyOptimizer``) gives whole parameters to ranks, each to the least loaded so far, so
+      its fullest rank holds at most one parameter's state (8 bytes per element, the largest) above 8 Phi / N;
+    - FSDP2 shards dim 0 in ceil(d0 / N) rows (rank 0 holds that many of a parameter's d0 rows, the last rank
+      fewer), in the parameters, the gradients and the state alike, and gathers a parameter padded to
+      N ceil(d0 / N) rows, which ``fsdp_grad_op`` keeps from the forward to the backward.
+
+    The measured fullest rank lies between the formula and the formula plus this (exact bytes, no rounding).
+    """
+    n = world_size
+    counters = ADAM_STEP_BYTES * len(param_shapes)
+    # padding rows of the gathered parameters, in elements: N ceil(d0/N) - d0 rows of prod(rest) elements each;
+    # rank 0's shard exceeds the exact share d0/N by 1/N of that
+    padding = sum((-(-shape[0] // n) * n - shape[0]) * math.prod(shape[1:]) for shape in param_shapes)
+    largest = max(math.prod(shape) for shape in param_shapes)
+    return {"ddp": counters, "zero1": counters + 8 * largest,
+            "fsdp_grad_op": counters + 4 * padding + (4 + 8) * padding / n,
+            "fsdp_full": counters + (4 + 4 + 8) * padding / n}
+
+
 def run(env, config: Config) -> dict:
     steps = batches(config, env.rank, env.world_size)
     reference = GPT(config.gpt())
@@ -161,6 +192,11 @@ def run(env, config: Config) -> dict:
         "param_shapes": {n: list(p.shape) for n, p in reference.named_parameters()},
         "variants": {},
     }
+    result["formula_slack_bytes"] = formula_slack_bytes(list(result["param_shapes"].values()), env.world_size)
+    # The first step's loss comes from the same weights: only the order of its mean's float32 sum differs (each
+    # rank's tokens, then the ranks), at most tokens + ranks roundings of positive terms.
+    tokens = config.global_batch * config.block_size
+    result["first_loss_rtol"] = rankcheck.formula_rtol(tokens + env.world_size, unit_roundoff=rankcheck.FP32_UNIT_ROUNDOFF)
     for variant in config.variants:
         mine = train_variant(env, config, variant, steps)
         per_rank = rankcheck.gather_objects(mine["memory"], env)   # every rank's counts
