@@ -149,11 +149,11 @@ def answer_without_module(module, reason: str):
     instead of running: a call of its functions, and a copy of one's code object made before the block, which
     ``checks.answer_without`` (it swaps the functions' code) does not see. The hidden checks call the students'
     functions in it, with the reference they are compared with as the module, and the reference outside."""
-    path = os.path.realpath(module.__file__)
+    paths = {module.__file__, os.path.realpath(module.__file__)}     # what a code object's co_filename holds
     previous = sys.gettrace()
 
-    def refuse(frame, event, arg):
-        if event == "call" and os.path.realpath(frame.f_code.co_filename) == path:
+    def refuse(frame, event, arg):   # called at every Python call inside the block: kept to a set lookup
+        if frame.f_code.co_filename in paths:
             raise checks.CheckFailed(reason)
         return None
 
