@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import numbers
 import os
 import pickle
 import sys
@@ -88,7 +89,7 @@ def check_schedule(kind: str, orders, n_stages: int, n_microbatches: int, what: 
                                hint="micro-batches go through the pipeline in order, 0 first")
         at = {op: i for i, op in enumerate(ops)}
         early = [j for j in range(m) if at[("B", j)] < at[("F", j)]]
-        checks.check_true(not early, f"{what}, stage {s}: the backward of micro-batch {early[:1]} before its "
+        checks.check_true(not early, f"{what}, stage {s}: the backward of micro-batch {early[0] if early else ''} before its "
                           f"forward ({pipeline.ops_text(ops)})", hint="the backward of j needs the activations "
                           "forward j saved")
         first_backward = min(at[("B", j)] for j in range(m))
@@ -131,8 +132,9 @@ def _as_ops(rank_ops, what: str) -> list[tuple[str, int]]:
     """A stage's operations as ("F"/"B", j) tuples, or a check failure that says what came back."""
     try:
         ops = [(op[0], op[1]) for op in rank_ops if len(op) == 2]
-        if len(ops) == len(rank_ops) and all(k in ("F", "B") and isinstance(j, int) for k, j in ops):
-            return ops
+        if len(ops) == len(rank_ops) and all(k in ("F", "B") and isinstance(j, numbers.Integral)
+                                             and not isinstance(j, bool) for k, j in ops):
+            return [(str(k), int(j)) for k, j in ops]             # numpy's ints and strings are fine too
     except (TypeError, KeyError, IndexError):
         pass
     raise checks.CheckFailed(f"{what}: a list of ('F', j) / ('B', j) pairs, j an int; got {_short(rank_ops)}")
