@@ -90,8 +90,6 @@ def g(x, group):
             "tp_attention", ("        self.n_head = attn.n_head // n                       # whole heads on this rank",
                              "        self.n_head = attn.n_head"),
             ("        width = self.n_head * (n_embd // attn.n_head)", "        width = n_embd // n"))),
-        ("every rank keeps the first n_head / N heads (its rank forgotten): heads 0.. twice, the others nowhere",
-         _changed("tp_attention", ("        mine = slice(r * width, (r + 1) * width)", "        mine = slice(0, width)"))),
         ("c_attn's rows taken with lablib's old qkv_rows_by_rank (the DTensor section's helper, gone since: DTensor "
          "now splits separate q, k and v layers; the import fails)", _changed(
             "tp_attention", ("            self.c_attn.weight.copy_(w_qkv[:, mine].flatten(0, 1))",
