@@ -6,8 +6,9 @@
 - a parallel run ends where a single-process reference does (``max_abs_diff`` of two models' weights).
 
 They read what happened; they do not know how the sampler or the wrapper was written. How close "ends where" must
-be is derived, never picked: ``gamma`` (n roundings), ``formula_rtol`` (two evaluations of one formula) and
-``sgd_rounding_bound`` (two SGD runs whose sums differ in order) give the course's tolerances from the arithmetic.
+be is derived, never picked: ``gamma`` (n roundings), ``formula_rtol`` (two evaluations of one formula),
+``mean_rounding_bound`` (one mean, summed in two orders) and ``sgd_rounding_bound`` (two SGD runs whose sums differ
+in order) give the course's tolerances from the arithmetic.
 """
 
 from __future__ import annotations
@@ -95,6 +96,24 @@ def formula_rtol(roundings: int, condition: float = 1.0, unit_roundoff: float = 
     if cg >= 1:
         raise ValueError(f"condition {condition} x gamma_{roundings} = {cg} >= 1: no relative bound")
     return 2 * cg / (1 - cg)
+
+
+def mean_rounding_bound(abs_sum, n: int, unit_roundoff: float = FP32_UNIT_ROUNDOFF):
+    """How far apart two float computations of the mean of the same n terms can end when they add them in another
+    order (a reduce-scatter's against an all-reduce's, or dividing each term before the sum instead of after):
+    each takes n roundings on the way (n - 1 additions and a division by n), so each is within
+    gamma_n * sum|terms| / n of the exact mean (Higham, section 3.1), and the two within twice that.
+    ``abs_sum``: the sum of the terms' absolute values, a number or a tensor (then element by element).
+    """
+    return 2 * gamma(n, unit_roundoff) * abs_sum / n
+
+
+def bound_ratio(diff: torch.Tensor, bound: torch.Tensor) -> float:
+    """max over elements of |diff| / bound: at most 1.0 when every element is within its own bound (an element whose
+    bound is 0 must differ by exactly 0, else the ratio is inf)."""
+    diff, bound = diff.abs().double(), bound.double()
+    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / bound)
+    return ratio.max().item() if ratio.numel() else 0.0
 
 
 def sgd_rounding_bound(steps: int, lr: float, longest_sum: int, max_grad: float, max_weight: float,

@@ -126,10 +126,12 @@ def test_held_bytes_counts_zero3_shards_as_parameters_and_a_freed_buffer_as_noth
 
 def _zero3_result(forward_peak, params_at_rest=12_740, **changes):
     r = {"case": "mlp", "world_size": 2, "steps": 4, "error": None, "n_params": 6369, "n_units": 7,
-         "block_bytes": [4224] * 6, "root_bytes": 132, "shard_numel_total": 3188,
-         "max_abs_grad_diff_vs_mean": 0.0, "max_abs_grad": 1.0, "max_abs_diff_vs_adamw": 0.0, "max_abs_weight": 1.0,
-         "max_abs_loss_diff_vs_adamw": 0.0, "full_grads_kept_after_step": 0, "forward_peak_per_rank": [forward_peak] * 2,
-         "held_per_rank": [{"params": params_at_rest, "grads": 12_752, "optimizer": 25_532}] * 2}
+         "block_bytes": [4224] * 6, "root_bytes": 132, "shard_numel_total": 3185, "expected_shard_numel": 3185,
+         "max_abs_grad_diff_vs_mean": 0.0, "max_grad_diff_over_bound": 0.0, "max_abs_grad": 1.0,
+         "max_abs_diff_vs_adamw": 0.0, "steps_not_bit_equal": [], "max_abs_weight": 1.0,
+         "max_abs_loss_diff_vs_adamw": 0.0, "max_loss_diff_over_bound": 0.0, "loss_rtol": 5e-7,
+         "full_grads_kept_after_step": 0, "forward_peak_per_rank": [forward_peak] * 2,
+         "held_per_rank": [{"params": params_at_rest, "grads": 12_740, "optimizer": 25_508}] * 2}
     return {**r, **changes}
 
 
@@ -139,14 +141,17 @@ def test_zero3_checks_pass_one_block_at_a_time_and_reject_never_freeing_and_summ
         zero_probes.check_probe(_zero3_result(25_480), "zero3")
     with pytest.raises(AssertionError, match="at rest"):                     # never freed after the backward
         zero_probes.check_probe(_zero3_result(4360, params_at_rest=25_476 + 12_740), "zero3")
-    with pytest.raises(AssertionError, match="mean gradient"):
-        zero_probes.check_probe(_zero3_result(4360, max_abs_grad_diff_vs_mean=0.25), "zero3")
+    with pytest.raises(AssertionError, match="mean of the ranks' gradients"):     # a sum: 2 x the mean
+        zero_probes.check_probe(_zero3_result(4360, max_abs_grad_diff_vs_mean=0.25, max_grad_diff_over_bound=4e6),
+                                "zero3")
+    with pytest.raises(AssertionError, match="bit-for-bit"):                # a shard stepped off by one element
+        zero_probes.check_probe(_zero3_result(4360, steps_not_bit_equal=[0, 1, 2, 3]), "zero3")
     with pytest.raises(AssertionError, match="gather the block again in before_backward"):
         zero_probes.check_probe(_zero3_result(4360, error="RuntimeError: setStorage: ... out of bounds for "
                                                           "storage of size 0"), "zero3")
     with pytest.raises(AssertionError, match="FSDP2"):
         zero_probes.check_probe(_zero3_result(4360, losses=[1.0], fsdp2_losses=[1.1],
-                                              max_abs_loss_diff_vs_fsdp2=0.1), "zero3")
+                                              max_abs_loss_diff_vs_fsdp2=0.1, first_loss_diff_vs_fsdp2=0.1), "zero3")
 
 
 def test_zero3_cases_are_known_to_the_graded_run_only_for_exercise_3(tmp_path):

@@ -17,7 +17,9 @@ for PyTorch's variants, ``zero_probes.held_bytes`` for the students', which also
 name) and records every collective it calls (``lablib.counting``; DDP's bucket all-reduces through its
 communication hook); one more step is sampled at every module boundary (``HeldTimeline``). Each step is timed
 (``lablib.timing``), and the two ZeRO-1s (yours and PyTorch's) are timed again taking turns
-(``paired_step_times``); rank 0 writes losses, bytes, collectives, the timelines and times.
+(``paired_step_times``); rank 0 writes losses, bytes, collectives, the timelines and times, and with them
+``formula_slack_bytes``: how far above lab 04's formula each variant's fullest rank may be, from what the formula
+leaves out (AdamW's step counters, whole tensors, padded rows and shards).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lablib import counting, memory, rankcheck, script, timing
 from lablib.ddp_probes import load_impl
 from lablib.exercise import require_file
 from lablib.models import GPT
+from lablib.runs import zero_memory
 from lablib.runs.zero_memory import Config as Lab04Config, apply_ddp, batches, held_params, shard_every_layer
 from lablib.zero_probes import held_bytes
 
@@ -201,10 +204,36 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
             **timing.step_times(times, env.device, warmup=config.warmup)}
 
 
+def formula_slack_bytes(model: GPT, world_size: int) -> dict[str, float]:
+    """Bytes each variant's fullest rank may hold above lab 04's fp32 + AdamW formula, at the moment the notebook
+    compares it (between steps; the peak for FSDP2 and ZeRO3). PyTorch's variants and ShardedOptimizer (whole
+    parameters, largest first to the least loaded rank): ``zero_memory.formula_slack_bytes``. ZeRO2: one flat buffer
+    of N ceil(Phi/N) elements holds the parameters, and a shard of ceil(Phi/N) its gradient and its two moments, with
+    one 4-byte step. ZeRO3: per unit (each block, then the root's parameters) shards of ceil(n_u/N) in parameters,
+    gradients and moments, and a step per unit."""
+    n = world_size
+    slack = zero_memory.formula_slack_bytes([list(p.shape) for p in model.parameters()], n)
+    phi = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.h]
+    units = blocks + [phi - sum(blocks)]
+    padding = -(-phi // n) * n - phi                                  # ZeRO2's flat buffer, in elements
+    unit_padding = sum(-(-u // n) * n - u for u in units)              # ZeRO3's, over the units
+    return {"ddp": slack["ddp"], "zero1_torch": slack["zero1"], "zero1_yours": slack["zero1"],
+            "zero2_yours": zero_memory.ADAM_STEP_BYTES + 4 * padding + (4 + 8) * padding / n,
+            "zero3_yours": zero_memory.ADAM_STEP_BYTES * len(units) + (4 + 4 + 8) * unit_padding / n,
+            "fsdp2_grad_op": slack["fsdp_grad_op"], "fsdp2_full": slack["fsdp_full"]}
+
+
 def run(env, config: Config) -> dict:
     steps = batches(config.lab04(), env.rank, env.world_size)
-    n_params = sum(p.numel() for p in GPT(config.lab04().gpt()).parameters())
-    result = {"n_params": n_params, "world_size": env.world_size, "stage": STAGE, "variants": {}}
+    model = GPT(config.lab04().gpt())
+    n_params = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.h]
+    result = {"n_params": n_params, "world_size": env.world_size, "stage": STAGE, "variants": {},
+              "formula_slack_bytes": formula_slack_bytes(model, env.world_size),
+              # ZeRO3's collectives move every unit padded to N ceil(n_u / N) elements (blocks, then the root's rest)
+              "zero3_padded_numel": sum(-(-u // env.world_size) * env.world_size
+                                        for u in blocks + [n_params - sum(blocks)])}
     for i, variant in enumerate(config.variants):
         mine = train_variant(env, config, variant, steps)
         result["variants"][variant] = {**mine, "memory_per_rank": rankcheck.gather_objects(mine.pop("memory"), env)}
