@@ -268,7 +268,12 @@ def test_solution_runs_in_the_browser_with_plots_and_live_widgets(course, browse
             widget = control.locator("xpath=ancestor::div[contains(@class,'widget-interact')][1]")
             widget.scroll_into_view_if_needed()
             figure = widget.locator("img").first
-            figure.wait_for()
+            try:
+                figure.wait_for()
+            except PlaywrightTimeout:
+                shoot(page, f"solution_{lab}_{kind.replace(' ', '_')}_no_figure", widget)
+                pytest.fail(f"{lab}: the widget with its {kind} shows no figure within 60 s; it shows "
+                            f"{' '.join(widget.inner_text().split())[-800:]!r}")
             before = settled(page, path, code_cells, figure)
             name = kind.replace(" ", "_")
             shoot(page, f"solution_{lab}_{name}_before", widget)
