@@ -33,7 +33,7 @@ Read it like a table of contents:
 - ``lablib.tensor_parallel``  tensor parallelism applied to the course GPT from outside: the students' classes,
                        DTensor's ``parallelize_module`` (vocabulary, sequence parallel) and a 2-D mesh with FSDP2
 - ``lablib.pipeline``  pipeline parallelism applied to the course GPT from outside: its stages, and GPipe,
-                       1F1B and interleaved schedules played tick by tick (lab 09's reference schedules)
+                       a given per-rank schedule played tick by tick (deadlocks named), Megatron's interleaving
 - ``lablib.pipeline_probes`` lab 09's probe of the students' pipeline engine on the ranks (order, timeline,
                        saved bytes, who waited on whom in a deadlock), and its graded checks
 - ``lablib.checkpointing`` lab 10's resumable run (global sampler, per-rank RNG, faults), ``lablib.ft_probes`` its checks
