@@ -37,8 +37,8 @@ from lablib.ddp_probes import default_group
 from lablib.memory import unique_storage_bytes
 from lablib.models import GPT, GPTConfig
 from lablib.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects, mean_rounding_bound
-from lablib.zero_probes import (CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build, error_in_impl, gather_shards,
-                                held_bytes)
+from lablib.zero_probes import (CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build, check_gradient_then_update,
+                                error_in_impl, gather_shards, held_bytes)
 
 GPT_CASE = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)   # 28,576 parameters; padding at N = 3
 CASES = ("mlp", "uneven", "gpt")
@@ -249,17 +249,9 @@ def check(r: dict) -> None:
              "NotImplementedError: the exercise cell is still the stub (write it and run it); any other error "
              "names the line of your file it came from")
     n = r["world_size"]
-    checks.check_true(r["max_grad_diff_over_bound"] <= 1.0,
-                      f"{where}: your shards' gradients (gathered, padding included) against the mean of the ranks' "
-                      f"gradients over {r['steps']} steps: the largest difference ({r['max_abs_grad_diff_vs_mean']:.3g}) "
-                      f"is {r['max_grad_diff_over_bound']:.3g} times what float32 rounding of a mean allows "
-                      f"(2 gamma_N sum|g_r| / N per element, rankcheck.mean_rounding_bound; padding exactly 0)",
-                      hint="reduce-scatter the block's zero-padded flat gradient, then divide by N (the mean, "
-                           "not the sum); shard r is elements [r*S, (r+1)*S)")
-    checks.check_equal(r["steps_not_bit_equal"], [], f"{where}: steps after which some parameter (gathered from the "
-                       f"shards) is not bit-for-bit equal to AdamW's stepped on your own mean gradient (of {r['steps']}; "
-                       f"max |diff| {r['max_abs_diff_vs_adamw']:.3g})",
-                       hint="step only the shards; padding must never shift a real element")
+    check_gradient_then_update(r, where, "reduce-scatter the block's zero-padded flat gradient, then divide by N (the "
+                               "mean, not the sum); shard r is elements [r*S, (r+1)*S)",
+                               "step only the shards; padding must never shift a real element")
     checks.check_true(r["max_loss_diff_over_bound"] <= 1.0,
                       f"{where}: with the same weights, your losses against AdamW's in one process: the largest "
                       f"difference ({r['max_abs_loss_diff_vs_adamw']:.3g}) is {r['max_loss_diff_over_bound']:.3g} times "

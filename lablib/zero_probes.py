@@ -293,6 +293,20 @@ def rehearse(impl, exercise: str, runs) -> list[dict]:
 
 # --- the graded checks ------------------------------------------------------------------------------------------
 
+def check_gradient_then_update(r: dict, where: str, gradient_hint: str, update_hint: str) -> None:
+    """ZeRO2's and ZeRO3's two checks of a step: the shards' gradients, gathered, against the ranks' mean gradient to
+    the float32 rounding of a mean added in another order (``rankcheck.mean_rounding_bound``, element by element;
+    padding exactly 0), then AdamW, stepped on that same gathered gradient, bit for bit."""
+    checks.check_true(r["max_grad_diff_over_bound"] <= 1.0,
+                      f"{where}: your shards' gradients (gathered) against the mean of the ranks' gradients over "
+                      f"{r['steps']} steps: the largest difference ({r['max_abs_grad_diff_vs_mean']:.3g}) is "
+                      f"{r['max_grad_diff_over_bound']:.3g} times what float32 rounding of a mean allows "
+                      f"(2 gamma_N sum|g_r| / N per element, rankcheck.mean_rounding_bound)", hint=gradient_hint)
+    checks.check_equal(r["steps_not_bit_equal"], [], f"{where}: steps after which some parameter is not bit-for-bit "
+                       f"equal to AdamW's stepped on your own mean gradient (of {r['steps']}; max |diff| "
+                       f"{r['max_abs_diff_vs_adamw']:.3g})", hint=update_hint)
+
+
 def check_probe(r: dict, exercise: str) -> None:
     """The graded checks of one probe_case result (at any world size); each failure says what and why."""
     r = r.to_dict() if hasattr(r, "to_dict") else r      # a launch.RunResult: plain lists and dicts to compare
@@ -325,18 +339,10 @@ def check_probe(r: dict, exercise: str) -> None:
                           f"largest parameter's); per rank {state}",
                           hint="give each parameter, largest first, to the rank that owns the fewest bytes so far")
     else:
-        checks.check_true(r["max_grad_diff_over_bound"] <= 1.0,
-                          f"{where}: your shards' gradients (gathered) against the mean of the ranks' gradients: the "
-                          f"largest difference ({r['max_abs_grad_diff_vs_mean']:.3g}) is {r['max_grad_diff_over_bound']:.3g} "
-                          f"times what float32 rounding of a mean allows (2 gamma_N sum|g_r| / N per element, "
-                          f"rankcheck.mean_rounding_bound)",
-                          hint="reduce-scatter the zero-padded flat gradient, divide by N (the mean, not the sum), make "
-                               "it the shard's .grad; shard r is elements [r*S, (r+1)*S)")
-        checks.check_equal(r["steps_not_bit_equal"], [], f"{where}: steps after which some parameter is not bit-for-bit "
-                           f"equal to AdamW's stepped on your own mean gradient (of {r['steps']}; max |diff| "
-                           f"{r['max_abs_diff_vs_adamw']:.3g})",
-                           hint="step your shard only, then all-gather every rank's updated shard; padding must never "
-                                "shift a real element")
+        check_gradient_then_update(r, where, "reduce-scatter the zero-padded flat gradient, divide by N (the mean, not "
+                                   "the sum), make it the shard's .grad; shard r is elements [r*S, (r+1)*S)",
+                                   "step your shard only, then all-gather every rank's updated shard; padding must "
+                                   "never shift a real element")
         checks.check_equal(r["weight_spread_across_ranks"], 0.0, f"{where}: parameters identical on every rank")
         checks.check_equal(r["full_grads_kept_after_step"], 0, f"{where}: model parameters that still hold a full "
                            f".grad after step()", hint="keep only your shard's gradient: set every p.grad to None")
