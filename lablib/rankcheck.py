@@ -52,6 +52,13 @@ def shard_report(seen_per_rank: list[list[int]]) -> dict:
             "overlapping_samples": overlap}
 
 
+def samples_per_step(seen_per_rank: list[list[int]], steps: int, per_rank: int) -> list[list[int]]:
+    """The samples of each optimizer step, all ranks together (sorted): rank r's indices in the order it loaded
+    them, ``per_rank`` of them per step. Only the first steps * per_rank count (a loader may read ahead)."""
+    return [sorted(i for seen in seen_per_rank for i in seen[step * per_rank:(step + 1) * per_rank])
+            for step in range(steps)]
+
+
 def weight_spread(model: torch.nn.Module, env) -> float:
     """max over parameters of (max over ranks - min over ranks); 0.0 when every rank holds the same weights."""
     flat = torch.cat([local_tensor(p).detach().float().flatten() for p in model.parameters()])

@@ -14,7 +14,6 @@ Variants (run in the order given, each from the same initial weights, on the sam
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,12 +24,14 @@ import torch.distributed as dist
 from lablib import config as cfg
 from lablib import data, script, training
 from lablib.benchmark import StepMeter
-from lablib.counting import count_ddp_models
+from lablib.counting import count_collectives, count_ddp_models
 from lablib.activation_checkpointing import apply_activation_checkpointing
 from lablib.exercise import load_module, require_file
 from lablib.memory import local_tensor
 from lablib.probes import fsdp_plan, probe_loader, probe_mean
-from lablib.rankcheck import RecordingDataset, gather_objects, shard_report, weight_spread
+from lablib.rankcheck import (FP32_UNIT_ROUNDOFF, RecordingDataset, formula_rtol, gather_objects, samples_per_step,
+                              shard_report, weight_spread)
+from lablib.runs.zero_memory import fsdp_rows_per_rank
 
 DDP_FUNCTIONS = ("wrap_model", "make_loader", "start_epoch", "mean_across_ranks")
 
@@ -101,8 +102,11 @@ def setup_ddp(model, env, config, accumulate: int = 1):
     if accumulate > 1:
         return model, parts, {}
     mean = probe_mean(impl.mean_across_ranks, env)             # gathered: every rank takes the same decision
-    wrong = [name for name, m in mean.items()
-             if not all(math.isclose(v, m["expected"], rel_tol=1e-6, abs_tol=1e-9) for v in m["per_rank"])]
+    # The probe's values are small dyadic numbers: their float32 sum is exact; N roundings at most (a division, or
+    # one per term when each is divided first), against the expected float64 value's one: formula_rtol(N) in float32.
+    rtol = formula_rtol(env.world_size, unit_roundoff=FP32_UNIT_ROUNDOFF)
+    wrong = [name for name, m in mean.items() if not all(abs(v - m["expected"]) <= rtol * abs(m["expected"])
+                                                         for v in m["per_rank"])]
     extras = {"probe": {"loader": probe_loader(impl.make_loader, impl.start_epoch, env, config.seed), "mean": mean}}
     if wrong:
         extras["stopped_early"] = f"mean_across_ranks did not return the mean ({', '.join(wrong)}): nothing trained"
@@ -159,6 +163,10 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
     train_set = RecordingDataset(train_set)
     model = training.new_model(vocab_size, config, env.device)
     n_params, full_param_bytes = model.num_params(), sum(p.numel() * p.element_size() for p in model.parameters())
+    # FSDP2 over all ranks: each parameter's dim 0 in chunks of ceil(d0 / N) rows, rank r the r-th (exact bytes)
+    fsdp_bytes = [sum(rows[r] * (p.numel() // p.shape[0]) * p.element_size()
+                      for p in model.parameters() for rows in [fsdp_rows_per_rank(p.shape[0], env.world_size)])
+                  for r in range(env.world_size)]
     try:
         model, parts, result = SETUPS[variant](model, env, config)
     except Exception as exc:                      # raised alike on every rank, before any collective of it
@@ -173,7 +181,10 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
                           config.eval_every, ddp_log=ddp_log)
         if parts is None:
             accelerate = load_module(config.accelerate_impl, required=("train_loop",))
-            curve, trained = accelerate.train_loop(model, optimizer, train_set, val_set, config, meter), model
+            with count_collectives() as loop_log:   # DDP's bucket all-reduces are not seen here: the rest is
+                curve, trained = accelerate.train_loop(model, optimizer, train_set, val_set, config, meter), model
+            # gather_for_metrics all-gathers; nothing else in an Accelerate loop over a DDP model does
+            result["gathers_in_loop"] = sum(n for name, n in loop_log.counts().items() if "gather" in name)
         else:
             curve, trained = training.train_loop(model, optimizer, train_set, val_set, config, env, parts, meter)
         result.update(meter.summary())
@@ -182,11 +193,14 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
             if hasattr(module, "reshard"):
                 module.reshard()
     local_bytes = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
+    seen = gather_objects(train_set.seen, env)
     result.update(world_size=env.world_size, n_params=n_params,
                   val_curve=[[int(s), float(v)] for s, v in curve],
-                  samples_seen=shard_report(gather_objects(train_set.seen, env)),
+                  samples_seen=shard_report(seen),
+                  samples_per_step=samples_per_step(seen, config.steps, config.batch_size // env.world_size),
                   weight_spread_across_ranks=None if variant in SHARDED else weight_spread(model, env),
                   param_bytes_per_rank=gather_objects(local_bytes, env), full_param_bytes=full_param_bytes,
+                  fsdp_param_bytes_per_rank=fsdp_bytes,
                   evaluation_steps=training.evaluation_steps(config.steps, config.eval_every))
     if variant == "accelerate":   # lablib's own evaluation of the trained weights, every rank the whole set
         result["reference_final_val_loss"] = training.evaluate(model, val_set, config.val_batch_size, env)

@@ -158,6 +158,13 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
     return {"losses": losses, "memory": counts}
 
 
+def fsdp_rows_per_rank(d0: int, world_size: int) -> list[int]:
+    """The rows of a parameter's dim 0 (d0 of them) each rank holds under FSDP2: chunks of ceil(d0 / N) rows
+    (``torch.chunk``), rank r the r-th, none once the rows run out (the storages are padded, the shards are not)."""
+    chunk = -(-d0 // world_size)
+    return [max(0, min(chunk, d0 - r * chunk)) for r in range(world_size)]
+
+
 def formula_slack_bytes(param_shapes: list[list[int]], world_size: int) -> dict[str, float]:
     """Bytes the fullest rank may hold above lab 04's fp32 + AdamW formula (4 + 4 + 8 bytes per parameter, each
     divided by N from the stage that shards it), per variant of this run. What the formula leaves out:
