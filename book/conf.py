@@ -24,7 +24,7 @@ nb_execution_in_temp = True
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_merge_streams = True
-# Widgets are drawn once, statically, when nobody can move them (lablib.plots.explore); the figure is what shows.
+# Widgets are drawn once, statically, when nobody can move them (lablib.course.plots.explore); the figure is what shows.
 nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
 
 html_theme = "sphinx_book_theme"

@@ -26,7 +26,7 @@ def machine_markdown(executed_by: str) -> str:
     import psutil
     import torch
 
-    from lablib.distenv import select_backend_and_device
+    from lablib.jobs.distenv import select_backend_and_device
 
     backend, device = select_backend_and_device(local_rank=0, local_world_size=2)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

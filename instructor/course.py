@@ -45,7 +45,7 @@ def find_lab(name: str) -> str:
 
 def _nbgrader(args: list[str], cwd: Path, timeout_s: float | None = None, env: dict | None = None):
     """Run nbgrader in cwd, killing it *and its kernel* if it outlives timeout_s."""
-    from lablib.processes import RUN_MARKER, kill_run
+    from lablib.jobs.processes import RUN_MARKER, kill_run
 
     marker = uuid.uuid4().hex
     # nbgrader calls its helper programs (alembic) by name: put this environment's bin/ first on PATH.
@@ -262,7 +262,7 @@ INFRASTRUCTURE_ERRORS = ("RankKilledError",)
 
 def infrastructure_failures(notebook: Path) -> list[str]:
     """grade_ids of the graded cells in an autograded notebook that failed because of the machine (a rank
-    killed by a signal, lablib.launch.RankKilledError), not because of the answer."""
+    killed by a signal, lablib.jobs.launch.RankKilledError), not because of the answer."""
     import nbformat
 
     if not notebook.exists():

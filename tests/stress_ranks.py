@@ -3,7 +3,7 @@ each run ended. Not part of the suite (minutes of CPU); run it by hand after tou
 
     .venv/bin/python tests/stress_ranks.py --runs 60 --parallel 3 hello:3 grad_accum:3
 
-Each STEP:NPROC is launched ``--runs`` times through ``lablib.launch.run``. Outcomes: ok, killed (a rank
+Each STEP:NPROC is launched ``--runs`` times through ``lablib.jobs.launch.run``. Outcomes: ok, killed (a rank
 died by a signal, e.g. the SIGABRT of a gloo worker meeting interpreter finalization), error, timeout.
 Steps that import the student's exercise module get the solution's, extracted from solutions/.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import labkit  # noqa: E402
-from lablib import launch  # noqa: E402
+from lablib.jobs import launch  # noqa: E402
 
 # step -> (lab, exercise grade_id whose %%writefile cell writes the module, options for a small run)
 EXERCISE_MODULES = {

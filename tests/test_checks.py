@@ -39,8 +39,8 @@ def test_any_other_not_implemented_error_keeps_its_traceback():
 
 
 def test_a_guarded_reference_refuses_inside_the_block_and_works_after():
-    from lablib import commcost
-    from lablib.commcost import alpha_beta_time as bound_before   # the way a student's module could import it
+    from lablib.course import commcost
+    from lablib.course.commcost import alpha_beta_time as bound_before   # the way a student's module could import it
 
     before = commcost.alpha_beta_time(1e-5, 1e-9, 1e6)
     with checks.answer_without(commcost.alpha_beta_time, reason="write the formula yourself"):

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lablib import config as cfg
+from lablib.jobs import config as cfg
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lablib import data
-from lablib.distenv import DistEnv
+from lablib.course import data
+from lablib.jobs.distenv import DistEnv
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 needs_copy = pytest.mark.skipif(not SHARED.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from lablib import distenv, launch
+from lablib.jobs import distenv, launch
 
 
 def test_plain_process_is_world_size_one(monkeypatch):
@@ -80,7 +80,7 @@ def test_a_collective_gloo_cannot_serve_is_found_and_named(monkeypatch):
 
 RESTARTED_WORKER = '''
 import os, sys, torch, torch.distributed as dist
-from lablib import distenv
+from lablib.jobs import distenv
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 with distenv.distributed(timeout_s=60) as env:
     x = torch.ones(1)

@@ -1,4 +1,4 @@
-"""lablib.benchmark (StepMeter), lablib.activation_checkpointing, lablib.rankcheck, lablib.training, lablib.probes and the
+"""lablib.measure.benchmark (StepMeter), lablib.parallel.activation_checkpointing, lablib.measure.rankcheck, lablib.course.training, lablib.probes.gpt_migration and the
 lab 05 run script gpt_migration."""
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ import torch
 from pathlib import Path
 from types import SimpleNamespace
 
-from lablib import data, launch, timing, training
-from lablib.benchmark import StepMeter
-from lablib.memory import saved_activation_bytes
-from lablib.activation_checkpointing import CheckpointedBlock, apply_activation_checkpointing
-from lablib.distenv import from_env
-from lablib.rankcheck import RecordingDataset, gather_objects, shard_report, weight_spread
-from lablib.models import GPT, GPTConfig
+from lablib.course import data, training
+from lablib.jobs import launch
+from lablib.measure import timing
+from lablib.measure.benchmark import StepMeter
+from lablib.measure.memory import saved_activation_bytes
+from lablib.parallel.activation_checkpointing import CheckpointedBlock, apply_activation_checkpointing
+from lablib.jobs.distenv import from_env
+from lablib.measure.rankcheck import RecordingDataset, gather_objects, shard_report, weight_spread
+from lablib.course.models import GPT, GPTConfig
 from lablib.runs import gpt_migration
 
 TINY = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)

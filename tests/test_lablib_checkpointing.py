@@ -1,4 +1,4 @@
-"""lablib.checkpointing and lablib.ft_probes (lab 10) without torchrun: the sampler reshards, checkpoints are
+"""lablib.parallel.checkpointing and lablib.probes.fault_tolerance (lab 10) without torchrun: the sampler reshards, checkpoints are
 found only when complete, the Monte Carlo waste agrees with Young/Daly near the optimum, and the graded checks
 name what differs."""
 
@@ -9,7 +9,9 @@ import math
 
 import pytest
 
-from lablib import checkpointing, checks, ft_probes
+from lablib.parallel import checkpointing
+from lablib import checks
+from lablib.probes import fault_tolerance as ft_probes
 
 
 def _served(world_size: int, steps_done: int, steps_more: int, state=None, global_batch: int = 8, n_items: int = 24):

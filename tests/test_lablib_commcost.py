@@ -1,10 +1,10 @@
-"""lablib.commcost: the alpha-beta fit recovers known parameters; bad input fails with a clear message."""
+"""lablib.course.commcost: the alpha-beta fit recovers known parameters; bad input fails with a clear message."""
 
 import math
 
 import pytest
 
-from lablib import commcost
+from lablib.course import commcost
 
 
 def test_fit_recovers_exact_line():

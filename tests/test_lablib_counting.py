@@ -1,4 +1,4 @@
-"""lablib.counting: the one layer that counts collectives where the course calls them."""
+"""lablib.measure.counting: the one layer that counts collectives where the course calls them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed import all_reduce
 
-from lablib import counting, launch
+from lablib.measure import counting
+from lablib.jobs import launch
 
 STEP = Path(__file__).parent / "steps" / "count_collectives.py"
 
@@ -30,7 +31,7 @@ def test_bus_factors_are_nccl_tests():
 
 
 def test_nothing_is_patched_and_the_layer_is_there_only_inside_a_block():
-    def intercepted():     # lablib.counting's kernel, in front of the c10d op's CPU and CUDA kernels
+    def intercepted():     # lablib.measure.counting's kernel, in front of the c10d op's CPU and CUDA kernels
         return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "BackendSelect")
 
     original, get_default_group = dist.all_reduce, c10d._get_default_group

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from lablib import config as cfg
-from lablib import launch
-from lablib import ddp_probes
+from lablib.jobs import config as cfg
+from lablib.jobs import launch
+from lablib.probes import ddp as ddp_probes
 from lablib.runs import ddp_overlap, ddp_scratch
 
 HOOKED = '''

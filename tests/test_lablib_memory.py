@@ -1,4 +1,4 @@
-"""lablib.memory (storage counting, saved activations, recipes) and lablib.runs.zero_memory (a real 2-rank run)."""
+"""lablib.measure.memory (storage counting, saved activations, recipes) and lablib.runs.zero_memory (a real 2-rank run)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lablib import launch, memory
-from lablib.activation_checkpointing import apply_activation_checkpointing
-from lablib.models import GPT, Block, GPTConfig
+from lablib.jobs import launch
+from lablib.measure import memory
+from lablib.parallel.activation_checkpointing import apply_activation_checkpointing
+from lablib.course.models import GPT, Block, GPTConfig
 
 
 def test_recipes_are_sixteen_bytes():

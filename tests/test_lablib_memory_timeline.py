@@ -1,12 +1,12 @@
-"""lablib.memory.MemoryTimeline: what a rank holds through one step, against the counts it must agree with
+"""lablib.measure.memory.MemoryTimeline: what a rank holds through one step, against the counts it must agree with
 (model_state_bytes between steps, SavedActivations at the end of the forward)."""
 
 from __future__ import annotations
 
 import torch
 
-from lablib import memory
-from lablib.models import GPT, GPTConfig
+from lablib.measure import memory
+from lablib.course.models import GPT, GPTConfig
 
 
 def _step(model, optimizer, x):

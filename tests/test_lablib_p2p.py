@@ -1,4 +1,4 @@
-"""lablib.p2p.CountingComm and the lab 02 run script: exact byte counts, clear errors, no hang on a deadlock.
+"""lablib.measure.p2p.CountingComm and the lab 02 run script: exact byte counts, clear errors, no hang on a deadlock.
 
 The run script is driven here with the naive all-reduce (lablib's baseline) as the "student" module, so no
 solution of the lab's exercise is needed: its byte counts are known in closed form.
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lablib import launch
-from lablib.p2p import CountingComm, direct_calls
+from lablib.jobs import launch
+from lablib.measure.p2p import CountingComm, direct_calls
 
 
 def test_world_size_one_needs_no_process_group():
@@ -111,8 +111,8 @@ def test_unknown_dtype_rejected_before_start():
 
 # --- the rehearsal in threads ----------------------------------------------------------------------------
 
-from lablib.p2p import rehearse_ring  # noqa: E402
-from lablib.rehearsal import RehearsalDeadlock as DeadlockError, RehearsalError, run_in_threads  # noqa: E402
+from lablib.measure.p2p import rehearse_ring  # noqa: E402
+from lablib.probes.rehearsal import RehearsalDeadlock as DeadlockError, RehearsalError, run_in_threads  # noqa: E402
 from lablib.runs.ring_allreduce import naive_all_reduce  # noqa: E402
 
 

@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from instructor.references import pipeline as pipeline_ref
-from lablib import checks, launch, pipeline, pipeline_probes
-from lablib import config as cfg
-from lablib.models import GPT, GPTConfig
+from lablib import checks
+from lablib.jobs import launch
+from lablib.parallel import pipeline
+from lablib.probes import pipeline as pipeline_probes
+from lablib.jobs import config as cfg
+from lablib.course.models import GPT, GPTConfig
 from lablib.runs import pipeline as pipeline_run
 
 EXAMPLE = {"gpipe:2:2": ["F0 F1 B0 B1", "F0 F1 B0 B1"], "1f1b:2:3": ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]}

@@ -1,4 +1,4 @@
-"""lablib.scaling and the amdahl_scaling run script (lab 03): formulas on numbers, then two small torchrun runs."""
+"""lablib.course.scaling and the amdahl_scaling run script (lab 03): formulas on numbers, then two small torchrun runs."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lablib import config as cfg
-from lablib import launch, scaling, timing
+from lablib.jobs import config as cfg
+from lablib.jobs import launch
+from lablib.course import scaling
+from lablib.measure import timing
 from lablib.runs import amdahl_scaling
 
 
@@ -73,7 +75,7 @@ def test_world_sizes_one_and_two_in_one_job_give_the_same_training():
         assert m["max_abs_diff_explicit_vs_ddp"] <= 1e-6
         assert m["final_loss_ddp"] < run["initial_loss"]
         assert len(m["explicit"]["step_s"]) == len(m["ddp"]["step_s"]) == run["timed_steps"] == 512 // 64 - 1
-        for part in ("compute", "wait", "comm", "opt", "step"):   # each median is lablib.timing's, of its steps
+        for part in ("compute", "wait", "comm", "opt", "step"):   # each median is lablib.measure.timing's, of its steps
             assert m["explicit"][f"median_{part}_s"] == timing.median(m["explicit"][f"{part}_s"])
         # A step is at least the slowest rank's compute + comm + opt. It can be longer than all four parts'
         # maxima when a rank loses its core between two parts (3 ranks' worth of load on 2 shared cores),
@@ -108,7 +110,7 @@ def test_world_sizes_one_and_two_in_one_job_give_the_same_training():
 
 def test_a_single_process_without_torchrun_is_world_size_one(tmp_path):
     """The run script's own code path, in this process: no torchrun, no process group, world size 1."""
-    from lablib import script
+    from lablib.jobs import script
     out = tmp_path / "out.json"
     script.main(amdahl_scaling.Config, amdahl_scaling.run,
                 ["--out", str(out), "--world_sizes", "1", *[f"--{k}={v}" for k, v in SMALL.items()]])

@@ -1,4 +1,4 @@
-"""lablib.timing: the one definition of a step's time across ranks."""
+"""lablib.measure.timing: the one definition of a step's time across ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from lablib import launch, timing
+from lablib.jobs import launch
+from lablib.measure import timing
 
 CPU = torch.device("cpu")
 

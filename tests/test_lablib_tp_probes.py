@@ -1,4 +1,4 @@
-"""lablib.tp_probes and lablib.tensor_parallel: exercise 1's check on a correct pair, a swapped one and DTensor's
+"""lablib.probes.tensor_parallel and lablib.parallel.tensor_parallel: exercise 1's check on a correct pair, a swapped one and DTensor's
 (exercises 2 and 3's stand-in, which it must refuse), the layer probe's verdicts on stand-in modules at world size
 1, the attention's shards found by value and judged by head, one 2-rank run of each new verdict, and DTensor's plan
 on a mesh of one rank."""
@@ -15,9 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import labkit
-from lablib import launch, tensor_parallel, tp_probes
+from lablib.jobs import launch
+from lablib.parallel import tensor_parallel
+from lablib.probes import tensor_parallel as tp_probes
 from lablib.checks import CheckFailed
-from lablib.models import GPT, CausalSelfAttention, GPTConfig
+from lablib.course.models import GPT, CausalSelfAttention, GPTConfig
 from lablib.runs import tensor_parallel as tp_run
 
 LAB = "08_tensor_parallel"
@@ -71,7 +73,7 @@ def test_dtensors_f_and_g_are_right_but_not_exercise_1_on_one_rank(one_rank):
 
 def test_dtensors_f_and_g_on_two_ranks_are_refused_as_functional_collectives(tmp_path):
     impl = tmp_path / "dtensor_comm_impl.py"
-    impl.write_text("from lablib.tp_probes import DTensorFG\n\n_pair = DTensorFG()\nf, g = _pair.f, _pair.g\n")
+    impl.write_text("from lablib.probes.tensor_parallel import DTensorFG\n\n_pair = DTensorFG()\nf, g = _pair.f, _pair.g\n")
     run = launch.run("tensor_parallel", {"impl": str(impl), "exercise": "f_g", "groups": ("2",)}, nproc=2,
                      timeout_s=120, quiet=True)
     record = run.metrics.runs["2:bias"]

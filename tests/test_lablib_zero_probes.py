@@ -1,4 +1,4 @@
-"""Lab 07's probe (lablib.zero_probes) and its run scripts' configs: what a rank holds, counted from storages,
+"""Lab 07's probe (lablib.probes.zero) and its run scripts' configs: what a rank holds, counted from storages,
 the graded checks on hand-made results, lab 04's formula loaded from its notebook. No torchrun start here (the
 lab's own tests run them); the optimizers below are the test's own, not the exercise's answer.
 """
@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lablib import config as cfg, memory, zero_probes
+from lablib.jobs import config as cfg
+from lablib.measure import memory
+from lablib.probes import zero as zero_probes
 from lablib.runs import zero_scratch, zero_stages
 
 
@@ -88,7 +90,7 @@ def test_run_configs_refuse_bad_options(tmp_path):
 def test_rehearsal_sums_in_rank_order_and_names_a_collective_only_some_ranks_call():
     import torch.distributed as dist
 
-    from lablib.rehearsal import RehearsalDeadlock, run_in_thread_ranks
+    from lablib.probes.rehearsal import RehearsalDeadlock, run_in_thread_ranks
 
     def gathered(rank):
         out = torch.empty(4)

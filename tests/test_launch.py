@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lablib import launch, processes
-from lablib.config import ConfigError
+from lablib.jobs import launch, processes
+from lablib.jobs.config import ConfigError
 
 
 def run_processes(step="hello"):
@@ -258,7 +258,7 @@ def test_hanging_rank_times_out_and_leaves_no_process():
 
 def test_keyboard_interrupt_kills_every_worker():
     code = textwrap.dedent("""
-        from lablib import launch
+        from lablib.jobs import launch
         try:
             launch.run("hello", {"hang_rank": 0}, nproc=2, timeout_s=300, quiet=True)
         except KeyboardInterrupt:

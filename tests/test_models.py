@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lablib.models import GPT, MLP, GPTConfig
+from lablib.course.models import GPT, MLP, GPTConfig
 
 
 def test_gpt_shapes_init_loss_and_tying():

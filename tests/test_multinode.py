@@ -1,5 +1,5 @@
 """Multi-node launch, for real on one machine: two torchrun agents on 127.0.0.1 that form one job of 4 ranks
-(launchers/multinode, the command each node runs), a node that dies in an elastic job (lablib.multinode.run_nodes),
+(launchers/multinode, the command each node runs), a node that dies in an elastic job (lablib.jobs.multinode.run_nodes),
 and launchers/slurm.sbatch submitted to a real Slurm cluster of two nodes (slurmctld, two slurmd, munge, all
 started here from Debian's packages, on ports of their own).
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lablib import launch, multinode
+from lablib.jobs import launch, multinode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_two_agents_on_loopback_form_one_job_of_four_ranks(tmp_path):
 
 
 def test_the_node_command_checks_its_arguments_before_starting_anything():
-    run = [sys.executable, "-m", "lablib.multinode"]
+    run = [sys.executable, "-m", "lablib.jobs.multinode"]
     ok = subprocess.run(run + ["hello", "--nnodes", "1:2", "--nproc-per-node", "4", "--rdzv-endpoint",
                                "node001:29500", "--rdzv-id", "7", "--dry-run", "--", "--rounds", "3"],
                         capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -4,7 +4,7 @@ import types
 
 import IPython
 
-from lablib import plots
+from lablib.course import plots
 
 
 def fake_shell(metadata):

@@ -39,14 +39,13 @@ def test_it_holds_the_labs_and_what_runs_them_and_nothing_else(built):
 # Every module the student repository ships. A module added to lablib/ must be added here on purpose, after
 # asking whether it can answer a graded exercise (answer-equal references belong in instructor/references/).
 SHIPPED_MODULES = {
-    "lablib": ["__init__", "activation_checkpointing", "benchmark", "checkpointing", "checks", "commcost", "config",
-               "counting", "data", "ddp_probes", "distenv", "exercise", "ft_probes", "launch", "memory", "models",
-               "multinode", "p2p", "pipeline", "pipeline_probes", "plots", "probes", "processes", "rankcheck",
-               "rehearsal", "scaling", "script", "supervisor", "tensor_parallel", "timing", "tp_probes", "training",
-               "zero3_probes", "zero_probes"],
-    "lablib/runs": ["__init__", "amdahl_scaling", "collectives", "collectives_job", "ddp_overlap", "ddp_scratch",
-                    "fault_tolerance", "gpt_migration", "grad_accum", "hello", "pipeline", "pipeline_torch",
-                    "ring_allreduce", "tensor_parallel", "tp_2d", "tp_gpt", "zero_memory", "zero_scratch", "zero_stages"],
+    "lablib": ["__init__", "checks"],
+    "lablib/course": ["__init__", "commcost", "data", "models", "plots", "scaling", "training"],
+    "lablib/jobs": ["__init__", "config", "distenv", "exercise", "launch", "multinode", "processes", "script", "supervisor"],
+    "lablib/measure": ["__init__", "benchmark", "counting", "memory", "p2p", "rankcheck", "timing"],
+    "lablib/parallel": ["__init__", "activation_checkpointing", "checkpointing", "pipeline", "tensor_parallel"],
+    "lablib/probes": ["__init__", "ddp", "fault_tolerance", "gpt_migration", "pipeline", "rehearsal", "tensor_parallel", "zero", "zero3"],
+    "lablib/runs": ["__init__", "amdahl_scaling", "collectives", "collectives_job", "ddp_overlap", "ddp_scratch", "fault_tolerance", "gpt_migration", "grad_accum", "hello", "pipeline", "pipeline_torch", "ring_allreduce", "tensor_parallel", "tp_2d", "tp_gpt", "zero_memory", "zero_scratch", "zero_stages"],
 }
 
 
@@ -94,7 +93,7 @@ def test_installed_in_a_fresh_venv_it_imports_and_runs_a_step(built, tmp_path):
                               "--no-build-isolation", str(built)], capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stdout + install.stderr
     assert student_repo.audit(site / "lablib") == []
-    probe = ("import lablib, lablib.launch as L; print(lablib.__file__); "
+    probe = ("import lablib, lablib.jobs.launch as L; print(lablib.__file__); "
              "r = L.run('hello', nproc=2, timeout_s=120, quiet=True); print(r['metrics']['all_reduce_sum'])\n"
              "try:\n    import instructor\nexcept ImportError:\n    print('no instructor package')")
     run = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=240, cwd=tmp_path,

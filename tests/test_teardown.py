@@ -1,4 +1,4 @@
-"""Why ranks end through ``lablib.processes.end_rank`` (see its docstring), shown on the pinned torch.
+"""Why ranks end through ``lablib.jobs.processes.end_rank`` (see its docstring), shown on the pinned torch.
 
 A gloo worker thread that needs the GIL while the interpreter finalizes aborts the rank with "terminate
 called without an active exception" (SIGABRT) after its work is done: the intermittent failure that cost

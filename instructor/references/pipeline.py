@@ -1,7 +1,7 @@
 """Lab 09's answer-equal references: GPipe's and 1F1B's order by their rule, and the closed forms of exercise 3.
 
 Instructor-only: the hidden test cells import it (``from instructor.references import pipeline as pipeline_ref``);
-students install ``lablib``, which only plays a *given* order (``lablib.pipeline.play``) and never makes one.
+students install ``lablib``, which only plays a *given* order (``lablib.parallel.pipeline.play``) and never makes one.
 
 ``schedule(kind, p, m)`` does not write the phases down (warm-up, steady state, cool-down, exercise 1's recipe):
 it lets every rank decide, event by event, with the schedule's rule, so it checks the recipe instead of
@@ -15,7 +15,7 @@ repeating it (t_f = 1, t_b = 2, as the lab draws them):
 Forward j on stage s is ready once stage s-1 finished forward j; backward j once stage s+1 finished backward j
 (the last stage: once its own forward j finished). Both come in micro-batch order, so a rank's next forward and
 next backward are the only candidates. tests/test_lablib_pipeline_probes.py checks the rule's orders, played by
-``lablib.pipeline.play``, against ``bubble_fraction`` and ``peak_in_flight``.
+``lablib.parallel.pipeline.play``, against ``bubble_fraction`` and ``peak_in_flight``.
 """
 
 from __future__ import annotations
@@ -86,5 +86,5 @@ def peak_in_flight(kind: str, n_stages: int, n_microbatches: int, stage: int) ->
     return n_microbatches if kind == "gpipe" else min(n_stages - stage, n_microbatches)
 
 
-# What a student's answer may not run while it is checked (lablib.pipeline_probes.answer_without_module).
+# What a student's answer may not run while it is checked (lablib.probes.pipeline.answer_without_module).
 REFERENCES = (schedule, bubble_fraction, peak_in_flight, in_flight_limit)

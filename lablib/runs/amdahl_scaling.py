@@ -12,7 +12,7 @@ a burst of load from another program on a shared machine slows all of them alike
 start once instead of once per world size (torchrun's start-up is seconds on a small machine).
 
 At each N an MLP is trained twice from the same initial weights on the same synthetic data (see
-``lablib.scaling`` for why), again taking turns step by step:
+``lablib.course.scaling`` for why), again taking turns step by step:
 - ``explicit``: plain model; forward+backward, then ONE explicit all-reduce of all gradients, then the
   optimizer step, each timed on its own (compute / wait / comm / opt), with a barrier before each;
 - ``ddp``: DistributedDataParallel (bucketed all-reduces overlapped with the backward), timed per step;
@@ -35,10 +35,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib import config as cfg
-from lablib import data, scaling, script, timing
-from lablib.models import MLP
-from lablib.rankcheck import gather_objects, max_abs_diff
+from lablib.jobs import config as cfg
+from lablib.course import data, scaling
+from lablib.jobs import script
+from lablib.measure import timing
+from lablib.course.models import MLP
+from lablib.measure.rankcheck import gather_objects, max_abs_diff
 
 PARTS = ("compute_s", "wait_s", "comm_s", "opt_s")
 EVAL_SAMPLES = 4096   # the loss reported before and after training is measured on the first 4096 samples

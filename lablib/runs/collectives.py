@@ -10,16 +10,16 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
   elements; every value says where it came from) and runs broadcast, reduce, all_reduce, all_gather, reduce_scatter,
   all_to_all (``all_to_all_single``, also with uneven splits), scatter, gather, send/recv and a barrier
   (ranks arrive at different times). Rank 0 gathers each rank's input and output, and what
-  ``lablib.counting`` recorded for the call (message size S, bus bytes).
+  ``lablib.measure.counting`` recorded for the call (message size S, bus bytes).
   It also tries ``reduce_scatter_tensor`` on an input that does not divide by the world size, and
   ``all_to_all_single`` with splits that do not add up, and keeps the errors PyTorch raises.
 - wire (``wire_bytes`` = S > 0, for each of those world sizes): the bytes each rank really wrote to its
   sockets during each timed collective of S bytes, read from Linux's ``/proc/self/io`` (``wchar``: every
   write-like system call of the process, gloo's socket sends included), divided by S. What gloo moves, next
-  to what the algorithm needs (``lablib.counting``'s bus factor). None where there is no ``/proc``.
+  to what the algorithm needs (``lablib.measure.counting``'s bus factor). None where there is no ``/proc``.
 - benchmark (``bench_bytes``, message sizes S in bytes, float32): each collective on the first
   ``bench_ranks`` ranks, interleaved, ``repeats`` times after a warm-up; a repetition's time is the slowest
-  rank's (``lablib.timing``). Ranks outside the timed group wait in a barrier (on gloo a waiting rank
+  rank's (``lablib.measure.timing``). Ranks outside the timed group wait in a barrier (on gloo a waiting rank
   sleeps in a socket read, it does not spin).
 
 The tensors live on the CPU and travel through gloo on every machine (a gloo group is made next to an
@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lablib import counting, script, timing
-from lablib.rankcheck import gather_objects
+from lablib.measure import counting, timing
+from lablib.jobs import script
+from lablib.measure.rankcheck import gather_objects
 
 # The course's names, in the order the lab teaches them.
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",

@@ -1,5 +1,5 @@
 """Lab 00's check of the student's torchrun script skeleton: a plain torchrun script (the student's code sets
-up the process group itself), run by ``lablib.launch.run_script``; every rank prints its findings.
+up the process group itself), run by ``lablib.jobs.launch.run_script``; every rank prints its findings.
 
     torchrun --standalone --nproc-per-node 3 lablib/runs/collectives_job.py --impl $PWD/job_setup_impl.py \\
         --checkpoint_dir /tmp/ckpt --scenarios ok@2,error@2,ok,error,gpus:1,gpus:3
@@ -25,7 +25,7 @@ torchrun start.
 
 Every ``init_process_group`` call goes through a recorder that keeps its arguments and joins a fresh
 rendezvous prefix, so one process can set up and tear down a group several times. The student's code may
-not use ``lablib.distenv`` (whose backend choice is the exercise): the recorder refuses it.
+not use ``lablib.jobs.distenv`` (whose backend choice is the exercise): the recorder refuses it.
 Each rank prints one line ``@@job <json>`` per scenario; the notebook reads every rank's output.
 """
 
@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lablib import distenv, processes
-from lablib.exercise import load_module
+from lablib.jobs import distenv, processes
+from lablib.jobs.exercise import load_module
 
 MARKER = "@@job "
 REQUIRED = ("setup_distributed", "log0", "checkpoint_round_trip", "run_job")
@@ -155,7 +155,7 @@ class Recorder:
     def refuse_lablib(self, name):
         def refused(*args, **kwargs):
             self.lablib_calls.append(name)
-            raise RuntimeError(f"lablib.distenv.{name} is lablib's own set-up; the exercise is to write it "
+            raise RuntimeError(f"lablib.jobs.distenv.{name} is lablib's own set-up; the exercise is to write it "
                                f"yourself with os.environ, torch.cuda and torch.distributed")
         return refused
 

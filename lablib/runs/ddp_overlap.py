@@ -7,7 +7,7 @@ Four parts, one torchrun start, every variant trained from the same initial weig
 
 - ``timeline``: one step of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP, per rank, from
   perf_counter timestamps taken in the run: each block's backward (module backward hooks) and each
-  all-reduce's launch and completion (``lablib.counting`` for the students' classes, a communication
+  all-reduce's launch and completion (``lablib.measure.counting`` for the students' classes, a communication
   hook, ``scaling.BucketTimer``, for DDP's). The overlap fraction uses DDP's own definition (its reducer's
   timer, reported by ``_get_ddp_logging_data()``): communication runs from the first all-reduce's launch to
   the last one's completion; the part of it before the backward's compute ended (the last gradient became
@@ -19,7 +19,7 @@ Four parts, one torchrun start, every variant trained from the same initial weig
 - ``benchmark``: ``DDPBucketed`` against DDP at the same cap, paired: ``rounds`` rounds, each a few steps of
   both taking turns step by step on the same batches (which one goes first alternates by round), the ratio of
   the medians per round, then the median ratio.
-  Bytes per step are counted where the collective is called (``lablib.counting``).
+  Bytes per step are counted where the collective is called (``lablib.measure.counting``).
 - ``compression``: DDP with communication hooks (none, ``fp16_compress_hook``, PowerSGD rank 1): all-reduce
   bytes per step and the loss after the same number of steps.
 """
@@ -36,12 +36,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib import commcost, counting, data, scaling, script, timing
-from lablib import config as cfg
-from lablib.exercise import require_file
-from lablib.models import GPT, gpt_config
-from lablib.rankcheck import gather_objects
-from lablib.ddp_probes import load_impl
+from lablib.course import commcost, data, scaling
+from lablib.measure import counting, timing
+from lablib.jobs import script
+from lablib.jobs import config as cfg
+from lablib.jobs.exercise import require_file
+from lablib.course.models import GPT, gpt_config
+from lablib.measure.rankcheck import gather_objects
+from lablib.probes.ddp import load_impl
 
 
 COMPRESSION_CAP_MB = 1000.0

@@ -7,7 +7,7 @@ One torchrun start checks several world sizes: the job has max(world_sizes) proc
 n the first n ranks form a group of their own that stands in as the default group while the student's
 class runs (``ddp_probes.default_group``), so code written for ``dist.all_reduce(t)`` without a group
 argument runs on n ranks; the other ranks wait at the next barrier (lab 03 takes turns the same way). What
-each rank does and records is ``lablib.ddp_probes.probe_case``.
+each rank does and records is ``lablib.probes.ddp.probe_case``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lablib import script
-from lablib.ddp_probes import CASES, WRAPPERS, load_bucketed_impl, load_impl, probe_case
-from lablib.exercise import require_file
+from lablib.jobs import script
+from lablib.probes.ddp import CASES, WRAPPERS, load_bucketed_impl, load_impl, probe_case
+from lablib.jobs.exercise import require_file
 
 
 # --- the run ---------------------------------------------------------------------------------------------------

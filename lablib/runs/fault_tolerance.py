@@ -4,7 +4,7 @@
         --impl ft_impl.py --ckpt-dir /tmp/ckpt --faults kill:1@5 --reference true --out out.json
 
 Every attempt (torchrun restarts the whole group after a rank fails; ``TORCHELASTIC_RESTART_COUNT`` numbers them)
-runs ``lablib.checkpointing.train``: the students' ``start`` restores the latest complete checkpoint in
+runs ``lablib.parallel.checkpointing.train``: the students' ``start`` restores the latest complete checkpoint in
 ``ckpt_dir`` (or ``resume_from`` on the first attempt), the loop trains to ``steps`` and calls the students' ``save``
 every ``ckpt_every`` steps, rank 0 prints "checkpoint saved at step N" after each, and fault i of ``faults``
 (``kill:RANK@STEP`` or ``hang:RANK@STEP``) is played on attempt i. With ``reference``, attempt 0 first trains the
@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lablib import checkpointing, distenv, script
-from lablib.exercise import load_module, require_file
+from lablib.parallel import checkpointing
+from lablib.jobs import distenv, script
+from lablib.jobs.exercise import load_module, require_file
 
 
 @dataclass(frozen=True)

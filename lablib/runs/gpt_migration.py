@@ -1,5 +1,5 @@
 """Lab 05's step: one GPT, one workload, trained single-process, with DDP, DDP + accumulation, FSDP2,
-FSDP2 + activation checkpointing, HSDP and Accelerate, each measured the same way (lablib.benchmark).
+FSDP2 + activation checkpointing, HSDP and Accelerate, each measured the same way (lablib.measure.benchmark).
 
     torchrun --standalone --nproc-per-node 1 -m lablib.runs.gpt_migration --variants single --out single.json
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.gpt_migration --variants no_comm,ddp,ddp_accum \\
@@ -8,7 +8,7 @@ FSDP2 + activation checkpointing, HSDP and Accelerate, each measured the same wa
         --variants fsdp,hsdp --fsdp_impl fsdp_impl.py --steps 5 --trace_step true --out hsdp.json
 
 Variants (run in the order given, each from the same initial weights, on the same global batch of
-``batch_size`` sequences per optimizer step): see ``SETUPS``. The loop is ``lablib.training.train_loop``
+``batch_size`` sequences per optimizer step): see ``SETUPS``. The loop is ``lablib.course.training.train_loop``
 (Accelerate's is the notebook's own); this file only sets each variant up and reports.
 """
 
@@ -21,15 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lablib import config as cfg
-from lablib import data, script, training
-from lablib.benchmark import StepMeter
-from lablib.counting import count_collectives, count_ddp_models
-from lablib.activation_checkpointing import apply_activation_checkpointing
-from lablib.exercise import load_module, require_file
-from lablib.memory import local_tensor
-from lablib.probes import fsdp_plan, probe_loader, probe_mean
-from lablib.rankcheck import (FP32_UNIT_ROUNDOFF, RecordingDataset, formula_rtol, gather_objects, samples_per_step,
+from lablib.jobs import config as cfg
+from lablib.course import data, training
+from lablib.jobs import script
+from lablib.measure.benchmark import StepMeter
+from lablib.measure.counting import count_collectives, count_ddp_models
+from lablib.parallel.activation_checkpointing import apply_activation_checkpointing
+from lablib.jobs.exercise import load_module, require_file
+from lablib.measure.memory import local_tensor
+from lablib.probes.gpt_migration import fsdp_plan, probe_loader, probe_mean
+from lablib.measure.rankcheck import (FP32_UNIT_ROUNDOFF, RecordingDataset, formula_rtol, gather_objects, samples_per_step,
                               shard_report, weight_spread)
 from lablib.runs.zero_memory import fsdp_rows_per_rank
 

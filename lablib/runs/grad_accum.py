@@ -25,12 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib import config as cfg
-from lablib import data, script, timing
-from lablib.counting import count_ddp
-from lablib.exercise import load_module, require_file
-from lablib.models import ACTIVATIONS, MLP
-from lablib.rankcheck import max_abs_diff, sgd_rounding_bound, weight_spread
+from lablib.jobs import config as cfg
+from lablib.course import data
+from lablib.jobs import script
+from lablib.measure import timing
+from lablib.measure.counting import count_ddp
+from lablib.jobs.exercise import load_module, require_file
+from lablib.course.models import ACTIVATIONS, MLP
+from lablib.measure.rankcheck import max_abs_diff, sgd_rounding_bound, weight_spread
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ launcher must report a death by signal as such, never as the code's error). With
 ``fail_rank`` fails only on torchrun's first ``fail_attempts`` attempts (``launch.run(..., max_restarts=)``
 then restarts the group, and the result says which attempt finished). ``rounds`` more all-reduces, one every
 ``round_s`` seconds, each announced by rank 0 ("round k of n, world size w"), keep a job alive long enough for a
-node to leave it (``lablib.multinode.run_nodes(leave=...)``); each rank reports its node (torchrun's
+node to leave it (``lablib.jobs.multinode.run_nodes(leave=...)``); each rank reports its node (torchrun's
 ``GROUP_RANK``).
 """
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lablib import distenv, processes, script
-from lablib.rankcheck import gather_objects
+from lablib.jobs import distenv, processes, script
+from lablib.measure.rankcheck import gather_objects
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@
         --cases gpipe:2:2,1f1b:2:3 --orders "F0 F1 B0 B1/F0 F1 B0 B1,F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2"
 
 Each case is "schedule:stages:micro-batches" (a label: the schedule's name, p and m), and its entry in
-``orders`` the op lists the engine runs, rank by rank ("/" between ranks; ``lablib.pipeline.orders_text``):
+``orders`` the op lists the engine runs, rank by rank ("/" between ranks; ``lablib.parallel.pipeline.orders_text``):
 the run makes no schedule of its own. The job has as many processes as the largest case has stages, and a
 case on p stages runs on ranks 0..p-1 (the others wait for it, lab 06's turns). What each rank does and
-records is ``lablib.pipeline_probes.probe_engine``: one step, on a process group of its own with a short
+records is ``lablib.probes.pipeline.probe_engine``: one step, on a process group of its own with a short
 timeout, so a deadlock ends in a message instead of a hang. The graded run stops at the first case that
 fails. With ``--repeat n`` (the measurement) each case runs n times and the step of median idle time is kept
 (the first one warms up and is left out).
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lablib import script
-from lablib.exercise import require_file
-from lablib.models import GPTConfig
-from lablib.pipeline import busy_and_span, idle_fraction, parse_orders
-from lablib.pipeline_probes import SMALL, check_orders, load_engine, parse_case, probe_engine
+from lablib.jobs import script
+from lablib.jobs.exercise import require_file
+from lablib.course.models import GPTConfig
+from lablib.parallel.pipeline import busy_and_span, idle_fraction, parse_orders
+from lablib.probes.pipeline import SMALL, check_orders, load_engine, parse_case, probe_engine
 
 
 @dataclass(frozen=True)

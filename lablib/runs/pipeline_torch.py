@@ -2,11 +2,11 @@
 
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.pipeline_torch --n-microbatches 8 --out out.json
 
-For each schedule the GPT is cut into p x v chunks (``lablib.pipeline.gpt_stages``, the last one returning
+For each schedule the GPT is cut into p x v chunks (``lablib.parallel.pipeline.gpt_stages``, the last one returning
 logits; the loss is the schedule's ``loss_fn``), rank r holds chunks r, r + p, ... (ZBV: r and 2p - 1 - r,
 its "V"), and PyTorch's ``PipelineStage`` and schedule run the steps: one to warm up (it also infers the
-shapes), ``steps`` timed (``lablib.timing.step_times``: per step the slowest rank, then the median), then one
-more under ``lablib.memory.MemoryTimeline`` for the saved activations each rank held at its peak. The last
+shapes), ``steps`` timed (``lablib.measure.timing.step_times``: per step the slowest rank, then the median), then one
+more under ``lablib.measure.memory.MemoryTimeline`` for the saved activations each rank held at its peak. The last
 rank's micro-batch losses are compared with one process's.
 """
 
@@ -18,11 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from lablib import pipeline, script, timing
-from lablib.memory import MemoryTimeline
-from lablib.models import GPT, GPTConfig
-from lablib.pipeline_probes import SMALL, batch, reference
-from lablib.rankcheck import gather_objects
+from lablib.parallel import pipeline
+from lablib.jobs import script
+from lablib.measure import timing
+from lablib.measure.memory import MemoryTimeline
+from lablib.course.models import GPT, GPTConfig
+from lablib.probes.pipeline import SMALL, batch, reference
+from lablib.measure.rankcheck import gather_objects
 
 # name -> (class name in torch.distributed.pipelining, chunks per rank)
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),

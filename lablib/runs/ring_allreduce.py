@@ -6,7 +6,7 @@
         --sizes "" --bench_bytes 1024,1048576,16777216 --out bench.json
 
 The student's ``ring_all_reduce(tensor, comm)`` (from --impl) sums ``tensor`` over all ranks in place,
-talking only through ``comm``, a ``lablib.p2p.CountingComm`` that counts every byte it sends and receives.
+talking only through ``comm``, a ``lablib.measure.p2p.CountingComm`` that counts every byte it sends and receives.
 
 - check (``sizes``, element counts, and ``shapes``, multi-dimensional, for each of ``dtypes``): every rank
   fills a tensor with small random integers (so every summation order gives the same bits), runs the
@@ -39,10 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lablib import processes, script, timing
-from lablib.exercise import load_module
-from lablib.p2p import RING_DTYPES as DTYPES, CountingComm, direct_calls, small_integers, summarise
-from lablib.rankcheck import gather_objects
+from lablib.jobs import processes, script
+from lablib.measure import timing
+from lablib.jobs.exercise import load_module
+from lablib.measure.p2p import RING_DTYPES as DTYPES, CountingComm, direct_calls, small_integers, summarise
+from lablib.measure.rankcheck import gather_objects
 
 @dataclass(frozen=True)
 class Config:
@@ -189,7 +190,7 @@ def benchmark(env, config: Config, ring_all_reduce, group) -> dict:
                 with timing.stopwatch(per_rep[name], buf.device), \
                         watchdog(env.rank, config.deadlock_s, f"{name} all-reduce of {n_bytes} bytes"):
                     fn(buf)
-        for name in methods:   # a collective ends with its slowest rank (lablib.timing); repetition 0 is warm-up
+        for name in methods:   # a collective ends with its slowest rank (lablib.measure.timing); repetition 0 is warm-up
             times[name].append(timing.slowest_rank(per_rep[name][1:], buf.device, group))
         script.progress(env, k + 1, len(config.bench_bytes), MB=n_bytes / 1e6)
     return {"n_bytes": list(config.bench_bytes),

@@ -7,7 +7,7 @@ One torchrun start checks several tensor-parallel sizes (``groups``): "4" is ran
 ranks 0-2 (rank 3 waits at the next barrier), with that group standing in as the default group so code that
 forgets the group argument still runs there; "2x2" is two groups, ranks {0, 1} and {2, 3}, at the same time:
 code that reduces over the default group instead of the group passed in sums over 4 ranks there and fails.
-What each rank does and records is ``lablib.tp_probes``; the records of a group's ranks are merged on its first.
+What each rank does and records is ``lablib.probes.tensor_parallel``; the records of a group's ranks are merged on its first.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lablib import script, tp_probes
-from lablib.ddp_probes import default_group
+from lablib.jobs import script
+from lablib.probes import tensor_parallel as tp_probes
+from lablib.probes.ddp import default_group
 
 EXERCISES = {"f_g": ("f", "g"), "mlp": ("TensorParallelMLP",), "attention": ("TensorParallelAttention",)}
 CASES = {"bias", "nobias", "indivisible"}

@@ -1,12 +1,12 @@
 """Lab 08's 2-D step: the course GPT on a (data, tensor) = (2, 2) mesh of 4 ranks, FSDP2 across the data dimension
-and tensor parallelism across the tensor dimension (``lablib.tensor_parallel.apply_2d``), against one process.
+and tensor parallelism across the tensor dimension (``lablib.parallel.tensor_parallel.apply_2d``), against one process.
 
     torchrun --standalone --nproc-per-node 4 -m lablib.runs.tp_2d --steps 3 --out out.json
 
 Each step's global batch is split over the data-parallel ranks (the two tensor-parallel ranks of a data rank get
 the same rows); the loss of a step is the mean over the ranks of their local mean losses, the single process's
 is the whole batch's. Collectives are counted twice: FSDP2's all-gathers and reduce-scatters where it calls
-``torch.distributed`` (``lablib.counting``), tensor parallelism's in ``CommDebugMode``.
+``torch.distributed`` (``lablib.measure.counting``), tensor parallelism's in ``CommDebugMode``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from types import SimpleNamespace
 
 import torch
 
-from lablib import counting, data, script, tensor_parallel
-from lablib.ddp_probes import sgd_step_, zero_grad_
-from lablib.models import GPT, gpt_config
-from lablib.rankcheck import gather_objects
+from lablib.measure import counting
+from lablib.course import data
+from lablib.jobs import script
+from lablib.parallel import tensor_parallel
+from lablib.probes.ddp import sgd_step_, zero_grad_
+from lablib.course.models import GPT, gpt_config
+from lablib.measure.rankcheck import gather_objects
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """Lab 08's GPT step: the course GPT three ways in one run, on the same batches from the same weights:
 
 - ``single``: one process (every rank computes it; the reference);
-- ``by_hand``: every block's MLP and attention replaced by the students' classes (``lablib.tensor_parallel.
-  apply_by_hand``), their own f and g, collectives counted with ``lablib.counting``;
+- ``by_hand``: every block's MLP and attention replaced by the students' classes (``lablib.parallel.tensor_parallel.
+  apply_by_hand``), their own f and g, collectives counted with ``lablib.measure.counting``;
 - ``dtensor_blocks``: PyTorch's ``parallelize_module`` on the blocks (``apply_dtensor``), the same split as by hand;
 - ``dtensor``: the same with the vocabulary split too, the loss under ``loss_parallel``;
 - ``dtensor_sp``: the blocks with sequence parallelism (``SequenceParallel`` on the norms).
 
 DTensor's collectives are counted with ``torch.distributed.tensor.debug.CommDebugMode``; the activation bytes
-each rank saves for the backward in the first forward with ``lablib.memory.SavedActivations``.
+each rank saves for the backward in the first forward with ``lablib.measure.memory.SavedActivations``.
 
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.tp_gpt --mlp-impl tp_mlp_impl.py \\
         --attention-impl tp_attention_impl.py --steps 3 --out out.json
@@ -30,10 +30,14 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from lablib import counting, data, script, tensor_parallel, tp_probes
-from lablib.ddp_probes import sgd_step_, zero_grad_
-from lablib.memory import SavedActivations
-from lablib.models import GPT, gpt_config
+from lablib.measure import counting
+from lablib.course import data
+from lablib.jobs import script
+from lablib.parallel import tensor_parallel
+from lablib.probes import tensor_parallel as tp_probes
+from lablib.probes.ddp import sgd_step_, zero_grad_
+from lablib.measure.memory import SavedActivations
+from lablib.course.models import GPT, gpt_config
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ def run(env, config: Config) -> dict:
                         loss.backward()
                 if phase == "forward" and step == 0:
                     out["saved_activation_bytes"][name] = saved.bytes
-                # Collectives the course's code calls are from lablib.counting's log; DTensor's (functional
+                # Collectives the course's code calls are from lablib.measure.counting's log; DTensor's (functional
                 # collectives) from CommDebugMode's counts, as the notebook labels them.
                 mine = [c for c in log.calls if not c.functional]
                 counts = dict(Counter(c.name for c in mine)) if mine else _comm_counts(mode)

@@ -14,7 +14,7 @@ the same batches, each time with the model states kept differently:
                      where the mixed-precision recipe's 2-byte weights show up.
 
 In the last step each rank counts the bytes of its parameters, gradients and optimizer state (each storage
-once, DTensors by their local shard; ``lablib.memory``) at three moments: after the forward, after the
+once, DTensors by their local shard; ``lablib.measure.memory``) at three moments: after the forward, after the
 backward, after the optimizer step. Rank 0 gathers every rank's counts and writes them with the losses,
 and with ``formula_slack_bytes``: how far above lab 04's formula the fullest rank may be, from what the formula
 leaves out (AdamW's step counters, whole tensors and whole rows instead of exact 1/N shares).
@@ -34,8 +34,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib import data, memory, rankcheck, script
-from lablib.models import GPT, GPTConfig, gpt_config
+from lablib.course import data
+from lablib.measure import memory, rankcheck
+from lablib.jobs import script
+from lablib.course.models import GPT, GPTConfig, gpt_config
 
 VARIANTS = ("ddp", "zero1", "fsdp_grad_op", "fsdp_full", "fsdp_grad_op_bf16")
 ADAM_STEP_BYTES = 4     # AdamW keeps each parameter tensor's step count in a float32 tensor of its own

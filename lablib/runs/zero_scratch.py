@@ -6,7 +6,7 @@
 One torchrun start checks several (world size, case) pairs, as lab 06's does: the job has as many processes
 as the largest world size asked for, and for world size n the first n ranks form a group of their own that stands in as the default group while the
 student's class runs (``ddp_probes.default_group``); the other ranks wait at the next barrier. What each rank
-does and records is ``lablib.zero_probes.probe_case`` (``zero3``: ``lablib.zero3_probes.probe``, with FSDP2's
+does and records is ``lablib.probes.zero.probe_case`` (``zero3``: ``lablib.probes.zero3.probe``, with FSDP2's
 losses on the same ranks).
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lablib import script
-from lablib.ddp_probes import load_impl
-from lablib.exercise import require_file
-from lablib import zero3_probes
-from lablib.zero_probes import CASES, CLASSES, probe_case
+from lablib.jobs import script
+from lablib.probes.ddp import load_impl
+from lablib.jobs.exercise import require_file
+from lablib.probes import zero3 as zero3_probes
+from lablib.probes.zero import CASES, CLASSES, probe_case
 
 
 @dataclass(frozen=True)

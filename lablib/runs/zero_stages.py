@@ -14,9 +14,9 @@ FSDP2 with and without resharding after the forward), plus the students' classes
 Every variant trains the same AdamW steps from the same weights on the same batches. In the last step each rank
 counts what it holds after the forward, the backward and the step (storages, each once: ``memory.model_state_bytes``
 for PyTorch's variants, ``zero_probes.held_bytes`` for the students', which also finds state kept under any
-name) and records every collective it calls (``lablib.counting``; DDP's bucket all-reduces through its
+name) and records every collective it calls (``lablib.measure.counting``; DDP's bucket all-reduces through its
 communication hook); one more step is sampled at every module boundary (``HeldTimeline``). Each step is timed
-(``lablib.timing``), and the two ZeRO-1s (yours and PyTorch's) are timed again taking turns
+(``lablib.measure.timing``), and the two ZeRO-1s (yours and PyTorch's) are timed again taking turns
 (``paired_step_times``); rank 0 writes losses, bytes, collectives, the timelines and times, and with them
 ``formula_slack_bytes``: how far above lab 04's formula each variant's fullest rank may be, from what the formula
 leaves out (AdamW's step counters, whole tensors, padded rows and shards).
@@ -29,13 +29,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lablib import counting, memory, rankcheck, script, timing
-from lablib.ddp_probes import load_impl
-from lablib.exercise import require_file
-from lablib.models import GPT
+from lablib.measure import counting, memory, rankcheck, timing
+from lablib.jobs import script
+from lablib.probes.ddp import load_impl
+from lablib.jobs.exercise import require_file
+from lablib.course.models import GPT
 from lablib.runs import zero_memory
 from lablib.runs.zero_memory import Config as Lab04Config, apply_ddp, batches, held_params, shard_every_layer
-from lablib.zero_probes import held_bytes
+from lablib.probes.zero import held_bytes
 
 VARIANTS = ("ddp", "zero1_torch", "zero1_yours", "zero2_yours", "zero3_yours", "fsdp2_grad_op", "fsdp2_full")
 STAGE = {"ddp": 0, "zero1_torch": 1, "zero1_yours": 1, "zero2_yours": 2, "zero3_yours": 3, "fsdp2_grad_op": 2,

@@ -1,4 +1,4 @@
-"""Every collective the course counts, on 2 ranks, through lablib.counting (tests/test_lablib_counting.py)."""
+"""Every collective the course counts, on 2 ranks, through lablib.measure.counting (tests/test_lablib_counting.py)."""
 
 import json
 import time
@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib import counting
+from lablib.measure import counting
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

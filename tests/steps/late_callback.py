@@ -4,7 +4,7 @@
 
 Rank 1 joins an all-reduce late, so rank 0's worker thread completes it - and runs its Python callback,
 which needs the GIL - after rank 0's main thread has finished. ``plain`` ends like an ordinary script
-(the interpreter finalizes); ``lablib`` ends through ``lablib.script.main`` (barrier, destroy, gc,
+(the interpreter finalizes); ``lablib`` ends through ``lablib.jobs.script.main`` (barrier, destroy, gc,
 ``processes.end_rank``). Each rank's atexit handler leaves a file in DIR: it runs only if the
 interpreter finalized.
 """
@@ -45,5 +45,5 @@ if __name__ == "__main__":
         dist.init_process_group("gloo")
         post_late_allreduce(dist.get_rank(), marker)
     else:
-        from lablib import script
+        from lablib.jobs import script
         script.main(Config, train, ["--marker", marker])

@@ -91,7 +91,7 @@ WRONG_ANSWERS = {
 # A correct variant runs every test cell (a torchrun start each); the one here takes the other branch the
 # contract allows for a parameter without a gradient (refuse, clearly, instead of sending zeros).
 CORRECT_VARIANTS = {
-    # The collectives spelled other ways: counted all the same (lablib.counting counts torch's ops, not names).
+    # The collectives spelled other ways: counted all the same (lablib.measure.counting counts torch's ops, not names).
     "ddp_individual": [
         ("all_reduce and broadcast imported by name (from torch.distributed import ...)", _changed(
             "ddp_individual", ("import torch.distributed as dist\n",

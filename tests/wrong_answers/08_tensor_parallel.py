@@ -35,16 +35,16 @@ WRONG_ANSWERS = {
                        "        dist.all_reduce(grad_output, group=ctx.group)\n"
                        "        return grad_output, None                   # d(sum_r x_r)/dx_r = 1"),
             ("        total = x.contiguous().clone()", "        ctx.group = group\n        total = x.contiguous().clone()"))),
-        ("f and g imported from lablib's old reference pair (lablib.tp_probes.reference_f and reference_g, gone: "
+        ("f and g imported from lablib's old reference pair (lablib.probes.tensor_parallel.reference_f and reference_g, gone: "
          "the import fails)", _f_g_replaced(
-            "from lablib.tp_probes import reference_f as f  # noqa: E402\n"
-            "from lablib.tp_probes import reference_g as g  # noqa: E402")),
+            "from lablib.probes.tensor_parallel import reference_f as f  # noqa: E402\n"
+            "from lablib.probes.tensor_parallel import reference_g as g  # noqa: E402")),
         ("f and g copied when the module loads from the code objects of lablib's old reference pair (which "
          "checks.answer_without, swapping the original's code during the check, never saw): gone, the copy fails",
          _f_g_replaced('''
 import types  # noqa: E402
 
-from lablib import tp_probes  # noqa: E402
+from lablib.probes import tensor_parallel as tp_probes  # noqa: E402
 
 f = types.FunctionType(tp_probes.reference_f.__code__, tp_probes.reference_f.__globals__)
 g = types.FunctionType(tp_probes.reference_g.__code__, tp_probes.reference_g.__globals__)
@@ -53,7 +53,7 @@ g = types.FunctionType(tp_probes.reference_g.__code__, tp_probes.reference_g.__g
          "DTensor's functional collectives, and none at all on one rank", _f_g_replaced('''
 import types  # noqa: E402
 
-from lablib.tp_probes import DTensorFG  # noqa: E402
+from lablib.probes.tensor_parallel import DTensorFG  # noqa: E402
 
 _pair = DTensorFG()
 f = types.MethodType(types.FunctionType(DTensorFG.f.__code__, DTensorFG.f.__globals__), _pair)
@@ -61,7 +61,7 @@ g = types.MethodType(types.FunctionType(DTensorFG.g.__code__, DTensorFG.g.__glob
 ''')),
         ("f and g delegate to lablib's DTensorFG (exercises 2 and 3's stand-in) instead of the autograd functions",
          _f_g_replaced('''
-from lablib.tp_probes import DTensorFG  # noqa: E402
+from lablib.probes.tensor_parallel import DTensorFG  # noqa: E402
 
 _COURSE = DTensorFG()
 
@@ -93,7 +93,7 @@ def g(x, group):
         ("c_attn's rows taken with lablib's old qkv_rows_by_rank (the DTensor section's helper, gone since: DTensor "
          "now splits separate q, k and v layers; the import fails)", _changed(
             "tp_attention", ("            self.c_attn.weight.copy_(w_qkv[:, mine].flatten(0, 1))",
-                             "            from lablib.tensor_parallel import qkv_rows_by_rank\n"
+                             "            from lablib.parallel.tensor_parallel import qkv_rows_by_rank\n"
                              "            order = qkv_rows_by_rank(n_embd, n).chunk(n)[r]\n"
                              "            self.c_attn.weight.copy_(attn.c_attn.weight.detach()[order])"),
             ("                self.c_attn.bias.copy_(attn.c_attn.bias.detach().unflatten(0, (3, n_embd))[:, mine].flatten())",
@@ -104,7 +104,7 @@ def g(x, group):
     ],
 }
 
-# f and g with the all-reduce spelled other ways: counted all the same (lablib.counting counts torch's ops, not
+# f and g with the all-reduce spelled other ways: counted all the same (lablib.measure.counting counts torch's ops, not
 # names; a name imported from torch.distributed was once missed, "no all-reduce was called"). The attention split
 # another valid way: the check finds the rows by value and asks only for whole heads, each on one rank.
 CORRECT_VARIANTS = {

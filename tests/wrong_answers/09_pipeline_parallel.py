@@ -38,7 +38,7 @@ WRONG_ANSWERS = {
         ("no error for zero micro-batches (returns empty schedules)", _changed(
             "schedules", ("    if n_stages < 1 or n_microbatches < 1:\n", "    if n_stages < 1:\n"))),
         ("calls lablib's reference schedule (lablib has none now)", '''
-from lablib import pipeline as _pipeline
+from lablib.parallel import pipeline as _pipeline
 
 
 def gpipe_schedule(n_stages, n_microbatches):
@@ -49,7 +49,7 @@ def one_f_one_b_schedule(n_stages, n_microbatches):
     return _pipeline.schedule("1f1b", n_stages, n_microbatches)
 '''),
         ("tabulates lablib's schedules when the cell runs (the audit's exploit)", '''
-from lablib import pipeline as _pipeline
+from lablib.parallel import pipeline as _pipeline
 
 _make = getattr(_pipeline, "schedule", None)
 _TABLE = {} if _make is None else {(kind, p, m): _make(kind, p, m) for kind in ("gpipe", "1f1b")
@@ -65,7 +65,7 @@ def one_f_one_b_schedule(n_stages, n_microbatches):
 '''),
         ("copies the code object of lablib's schedule when the cell runs (escapes checks.answer_without)", '''
 import types
-from lablib import pipeline as _pipeline
+from lablib.parallel import pipeline as _pipeline
 
 _original = getattr(_pipeline, "schedule", None) or getattr(_pipeline, "simulate", None)
 _copy = None if _original is None else types.FunctionType(_original.__code__, _original.__globals__)
@@ -146,7 +146,7 @@ def one_f_one_b_schedule(n_stages, n_microbatches):
         ("1F1B with the warm-up count off by one (p - s - 1 held)", _changed(
             "bubble_formulas", ("return min(n_stages - stage, n_microbatches)", "return min(n_stages - stage - 1, n_microbatches)"))),
         ("reads the bubble and the peak off lablib's simulation (lablib has none now)", '''
-from lablib import pipeline as _pipeline
+from lablib.parallel import pipeline as _pipeline
 
 _simulate = getattr(_pipeline, "simulate", None)
 
@@ -200,9 +200,9 @@ def one_f_one_b_schedule(n_stages, n_microbatches):
 '''),
     ],
     "bubble_formulas": [
-        ("the bubble and the peaks read off your own schedules, played by lablib.pipeline.play", '''
+        ("the bubble and the peaks read off your own schedules, played by lablib.parallel.pipeline.play", '''
 import functools
-from lablib import pipeline as _pipeline
+from lablib.parallel import pipeline as _pipeline
 
 
 @functools.lru_cache(maxsize=8)

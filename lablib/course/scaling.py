@@ -12,7 +12,7 @@ optimizer step, each part timed on its own - and once with DDP, timed as a whole
 the two step times is the communication DDP managed to hide behind the backward.
 
 Every timed part starts after a barrier, so a rank waiting for a slower rank is booked as "wait", not as
-communication; every per-step time is the slowest rank's (``lablib.timing``: the step is done when the last
+communication; every per-step time is the slowest rank's (``lablib.measure.timing``: the step is done when the last
 rank is done).
 DDP's own all-reduces are timed by a communication hook (``BucketTimer``): when each bucket's all-reduce
 was launched and when it finished, which shows how much of it ran during the backward.

@@ -7,21 +7,21 @@ Three exercises, each graded on its own:
 - ``f_g``: Megatron's conjugate operators (Shoeybi et al., 2019, arXiv:1909.08053, section 3): f is the
   identity forward and an all-reduce of the gradient backward, g the all-reduce forward and the identity
   backward. Checked directly: each rank feeds its own input and upstream gradient, so the sums are visible, and
-  the all-reduces are counted where the student's code calls torch.distributed (``lablib.counting``).
+  the all-reduces are counted where the student's code calls torch.distributed (``lablib.measure.counting``).
 - ``mlp``: ``TensorParallelMLP`` (``ColumnParallelLinear`` then ``RowParallelLinear``) built from the course
   GPT's ``MLPBlock``;
 - ``attention``: ``TensorParallelAttention`` built from the course GPT's ``CausalSelfAttention``, heads split
   over the ranks.
 
-The reference is the single-process module itself (``lablib.models``): the loss, the gradient of the input
+The reference is the single-process module itself (``lablib.course.models``): the loss, the gradient of the input
 and every parameter's gradient, gathered from the ranks' shards, must equal it, after every one of a few SGD
 steps. While ``mlp`` and ``attention`` are graded, the students' f and g are replaced by ``DTensorFG``: DTensor's
 own autograd (PyTorch's implementation of the same two operators, not exercise 1's answer: see its docstring), so
-a wrong exercise 1 cannot cost exercises 2 and 3 their points. Collectives are counted with ``lablib.counting``.
+a wrong exercise 1 cannot cost exercises 2 and 3 their points. Collectives are counted with ``lablib.measure.counting``.
 
 Where each shard sits in the full tensor (``LAYOUTS``): the MLP's by the notebook's contract, a column-parallel
 weight rows [r*out/N, (r+1)*out/N) of the full weight, a row-parallel one columns [r*in/N, (r+1)*in/N); the
-attention's found by value (``lablib.tensor_parallel.index_by_value``: the weights are random, so a copied row
+attention's found by value (``lablib.parallel.tensor_parallel.index_by_value``: the weights are random, so a copied row
 matches one row only), then checked to be whole heads (``head_split_problems``), in whatever order the student
 keeps them; gradients and weights are compared through that map.
 """
@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lablib import checks, counting
-from lablib.ddp_probes import sgd_step_, zero_grad_
-from lablib.distenv import DistEnv
-from lablib.exercise import load_module, require_file
-from lablib.models import CausalSelfAttention, GPTConfig, MLPBlock
-from lablib.rankcheck import gather_objects
-from lablib.tensor_parallel import assembled, contiguous_index, index_by_value
+from lablib import checks
+from lablib.measure import counting
+from lablib.probes.ddp import sgd_step_, zero_grad_
+from lablib.jobs.distenv import DistEnv
+from lablib.jobs.exercise import load_module, require_file
+from lablib.course.models import CausalSelfAttention, GPTConfig, MLPBlock
+from lablib.measure.rankcheck import gather_objects
+from lablib.parallel.tensor_parallel import assembled, contiguous_index, index_by_value
 
 COMM_MODULE = "tp_comm_impl"     # exercise 1's file (tp_comm_impl.py); exercises 2 and 3 import f and g from it
 CLASSES = {"mlp": "TensorParallelMLP", "attention": "TensorParallelAttention"}

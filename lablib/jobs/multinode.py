@@ -7,7 +7,7 @@ job (no node ranks to hand out):
     launchers/multinode zero_stages --nnodes 2 --nproc-per-node 4 --rdzv-endpoint node001:29500 -- --steps 3
     sbatch --nodes 2 launchers/slurm.sbatch zero_stages --steps 3      # Slurm: srun starts one agent per node
 
-``launchers/multinode`` is ``python -m lablib.multinode`` in the course environment: it checks the step's options
+``launchers/multinode`` is ``python -m lablib.jobs.multinode`` in the course environment: it checks the step's options
 before anything starts, prints the torchrun command it runs (``--dry-run`` only prints it) and runs it.
 
 ``run_nodes`` starts ``nodes`` torchrun agents on 127.0.0.1, each with its own processes, as separate machines
@@ -48,8 +48,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lablib import config as cfg
-from lablib import launch, processes, supervisor
+from lablib.jobs import config as cfg
+from lablib.jobs import launch, processes, supervisor
 
 # torch 2.13: without this, a node that joins a running job waits forever (see the module docstring).
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

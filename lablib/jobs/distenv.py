@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from lablib import processes
+from lablib.jobs import processes
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
     same code (collectives on one rank are cheap no-ops). A plain process without torchrun's variables
     gets world size 1 and no group. ``timeout_s`` bounds init and every collective, so a crashed or
     diverged rank ends in an error instead of a hang; by default it is the one the launcher derived from
-    the run's own timeout (``lablib.processes.rank_timeout_s``).
+    the run's own timeout (``lablib.jobs.processes.rank_timeout_s``).
     """
     timeout_s = processes.rank_timeout_from_env() if timeout_s is None else timeout_s
     env = from_env()
@@ -171,5 +171,5 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
             dist.destroy_process_group()
         # Objects that still hold the group (a DDP reducer, an FSDP2 mesh) sit in reference cycles: collect
         # them now, so the group's worker threads are joined while the interpreter is alive (see
-        # lablib.processes.end_rank for what happens when they are not).
+        # lablib.jobs.processes.end_rank for what happens when they are not).
         gc.collect()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DistributedSampler
 
-from lablib.rankcheck import gather_objects
+from lablib.measure.rankcheck import gather_objects
 
 
 def probe_loader(make_loader, start_epoch, env, seed: int, items_per_rank: int = 40, batch_size: int = 4) -> dict:
@@ -70,7 +70,7 @@ def loader_probe_without_processes(make_loader, start_epoch, world_size: int, se
     """probe_loader for every rank of a world of world_size, called in this one process: make_loader gets each
     rank's DistEnv in turn (a DistributedSampler takes rank and world size as arguments, no process group is
     involved). A quick look before a real run, never a replacement for it."""
-    from lablib.distenv import DistEnv
+    from lablib.jobs.distenv import DistEnv
 
     per_rank = [probe_loader(make_loader, start_epoch, DistEnv(r, r, world_size, world_size, torch.device("cpu"), "gloo"),
                              seed, **sizes) for r in range(world_size)]
@@ -79,11 +79,11 @@ def loader_probe_without_processes(make_loader, start_epoch, world_size: int, se
 
 
 def mean_probe_without_processes(mean_across_ranks, world_size: int) -> dict | None:
-    """probe_mean on a world of world_size ranks that are threads of this process (``lablib.rehearsal``): a quick
+    """probe_mean on a world of world_size ranks that are threads of this process (``lablib.probes.rehearsal``): a quick
     look before the real run, never a replacement for it. None when the answer calls a collective the rehearsal
     does not stand in for (the real run then decides)."""
-    from lablib.distenv import DistEnv
-    from lablib.rehearsal import RehearsalUnsupported, run_in_thread_ranks
+    from lablib.jobs.distenv import DistEnv
+    from lablib.probes.rehearsal import RehearsalUnsupported, run_in_thread_ranks
 
     def rank(r):
         return probe_mean(mean_across_ranks, DistEnv(r, r, world_size, world_size, torch.device("cpu"), "gloo"))

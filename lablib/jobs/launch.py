@@ -19,7 +19,7 @@ What it guarantees, because a notebook must never hang or leak processes:
 - when a rank fails, ``RunError`` carries that rank's traceback (the first rank to fail, the root cause, in
   the last attempt when torchrun restarted the group); a rank killed by a signal that nothing in the course
   recorded sending (``processes.record_deliberate_kill``) is ``RankKilledError``, the machine's failure.
-The watching (output, deadline, stopping every process) is ``lablib.supervisor``'s, shared with multinode.
+The watching (output, deadline, stopping every process) is ``lablib.jobs.supervisor``'s, shared with multinode.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lablib import config as cfg
-from lablib import exercise, processes, supervisor
-from lablib.processes import RUN_MARKER, kill_run  # noqa: F401 - part of this module's interface
+from lablib.jobs import config as cfg
+from lablib.jobs import exercise, processes, supervisor
+from lablib.jobs.processes import RUN_MARKER, kill_run  # noqa: F401 - part of this module's interface
 
 
 class RunError(RuntimeError):
@@ -69,7 +69,7 @@ class PortInUseError(RunError):
 
 
 def available_steps() -> list[str]:
-    runs_dir = Path(__file__).parent / "runs"
+    runs_dir = Path(__file__).parent.parent / "runs"
     return sorted(p.stem for p in runs_dir.glob("*.py") if not p.stem.startswith("_"))
 
 
@@ -212,7 +212,7 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
     env: extra environment variables for every rank (e.g. ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``).
     max_restarts: how often torchrun restarts the whole worker group after a rank fails (``--max-restarts``);
     each attempt's ranks see ``TORCHELASTIC_RESTART_COUNT`` (0, 1, ...) and get a fresh rendezvous namespace
-    (``lablib.distenv.attempt_store``). ``timeout_s`` covers all attempts together.
+    (``lablib.jobs.distenv.attempt_store``). ``timeout_s`` covers all attempts together.
     The ranks' collectives time out a little before ``timeout_s`` (one clock for both).
     """
     if unexpected:

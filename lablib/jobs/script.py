@@ -7,7 +7,7 @@ does the rest, the same way every time:
 - parses ``--out PATH`` plus the config's options strictly (unknown or mistyped options are errors);
 - initialises the process group with a timeout and always destroys it (``distenv.distributed``);
 - under the launcher sends everything but rank 0's stdout to per-rank log files, so only rank 0 talks
-  to the notebook, and leaves any rank's traceback for the launcher (the contract: ``lablib.processes``);
+  to the notebook, and leaves any rank's traceback for the launcher (the contract: ``lablib.jobs.processes``);
 - has rank 0 write one JSON file: step, config, environment, metrics, elapsed time;
 - under torchrun, ends the rank with ``processes.end_rank`` (exit code 0, or 1 after a traceback), never
   through the interpreter's finalization, where gloo's worker threads can abort a finished rank.
@@ -25,8 +25,8 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from lablib import config as cfg
-from lablib import distenv, processes
+from lablib.jobs import config as cfg
+from lablib.jobs import distenv, processes
 
 
 def progress(env: distenv.DistEnv, step: int, total: int, **metrics: float) -> None:

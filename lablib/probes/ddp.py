@@ -6,7 +6,7 @@ For every case (a small model; see ``CASES``) the student's wrapper trains a few
 shuffled global batch split evenly over the ranks. Every rank starts from *different* weights (seeded with
 its rank), so only a wrapper that broadcasts rank 0's parameters and buffers can end where the reference
 does: a single process that trains rank 0's initial model on each whole global batch, compared after every
-step. What is recorded per step comes from ``lablib.counting`` (every collective the student's code called,
+step. What is recorded per step comes from ``lablib.measure.counting`` (every collective the student's code called,
 when it was launched and finished, whether it was asynchronous) and when ``loss.backward()`` returned; so
 overlap is seen in the order of events, never assumed from a duration.
 
@@ -31,11 +31,13 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lablib import checks, counting, data
-from lablib.distenv import DistEnv
-from lablib.exercise import load_module, require_file
-from lablib.models import GPT, GPTConfig
-from lablib.rankcheck import max_abs_diff, sgd_rounding_bound, weight_spread
+from lablib import checks
+from lablib.measure import counting
+from lablib.course import data
+from lablib.jobs.distenv import DistEnv
+from lablib.jobs.exercise import load_module, require_file
+from lablib.course.models import GPT, GPTConfig
+from lablib.measure.rankcheck import max_abs_diff, sgd_rounding_bound, weight_spread
 
 WRAPPERS = {"individual": "DDPIndividualParameters", "bucketed": "DDPBucketed"}
 MIB = 2**20

@@ -20,7 +20,7 @@ doc/PERFORMANCE.md):
   the quantity whose rate is comparable across collectives and world sizes (the "bus bandwidth").
 
 Only the outermost call counts (a collective built from another is counted once), and calls inside
-``uncounted()`` are not recorded (a communicator that does its own accounting, lablib.p2p). DDP's gradient
+``uncounted()`` are not recorded (a communicator that does its own accounting, lablib.measure.p2p). DDP's gradient
 all-reduces are issued by its C++ reducer, not through ``torch.distributed``'s Python functions; register
 ``count_ddp(model, log)`` (a communication hook, https://pytorch.org/docs/stable/ddp_comm_hooks.html) to
 record them, or open ``count_ddp_models(log)`` around the code that builds the DDP model (e.g. Accelerate's

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lablib import counting
+from lablib.measure import counting
 
 @dataclass
 class TrafficCount:
@@ -131,7 +131,7 @@ class CountingComm:
 def direct_calls():
     """Record the torch.distributed communication calls made inside the block other than through a CountingComm.
 
-    Yields a ``lablib.counting.CollectiveLog`` (``[c.function for c in log.calls]``: ``"all_reduce"``,
+    Yields a ``lablib.measure.counting.CollectiveLog`` (``[c.function for c in log.calls]``: ``"all_reduce"``,
     ``"isend"``, ...); the calls still run unchanged. It is ``counting.count_collectives``, which the comm's
     own calls do not reach (they run inside ``counting.uncounted``). A name bound by ``from
     torch.distributed import all_reduce`` before the block is not seen (its traffic is then missing from the
@@ -180,7 +180,7 @@ def rehearse_ring(ring_all_reduce, world_sizes=(2, 3, 4), sizes=(), shapes=(), d
     here. A ``torch.distributed`` call made by the student's function fails in threads (there is no
     process group); it is reported in ``direct_calls`` of the row instead.
     """
-    from lablib.rehearsal import run_in_threads
+    from lablib.probes.rehearsal import run_in_threads
 
     rows = []
     for world_size in world_sizes:

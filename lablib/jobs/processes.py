@@ -1,5 +1,5 @@
-"""The contract between the launcher (``lablib.launch``) and its ranks (``lablib.script``), and finding and
-stopping a run's processes (``lablib.supervisor`` watches them). Both sides take every name from here; no other
+"""The contract between the launcher (``lablib.jobs.launch``) and its ranks (``lablib.jobs.script``), and finding and
+stopping a run's processes (``lablib.jobs.supervisor`` watches them). Both sides take every name from here; no other
 module spells them.
 
 A run has a folder, ``LABLIB_RUN_DIR``, where each rank leaves
@@ -94,7 +94,7 @@ def record_error(rank: int, error: BaseException | str) -> None:
     folder = run_dir()
     if folder is None or isinstance(error, SystemExit):
         return
-    from lablib.distenv import restart_attempt  # here: the launcher imports this module, and not torch
+    from lablib.jobs.distenv import restart_attempt  # here: the launcher imports this module, and not torch
 
     path = error_file(folder, rank, restart_attempt())
     if path.exists():

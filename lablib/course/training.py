@@ -20,8 +20,9 @@ from typing import Callable
 
 import torch
 
-from lablib import data, timing
-from lablib.models import GPT, gpt_config
+from lablib.course import data
+from lablib.measure import timing
+from lablib.course.models import GPT, gpt_config
 
 # The GPT of the source tutorial the lab checks (6 layers, 384 wide, 6 heads, context 256): ~10.7 M
 # parameters with the character vocabulary. The lab trains it when CUDA is present; on a CPU it is far
@@ -94,7 +95,7 @@ def train_loop(model, optimizer, train_set, val_set, config, env, parts: Parts, 
     """Train config.steps optimizer steps of config.batch_size sequences (all ranks together).
 
     Returns ([(step, validation loss), ...], the model as trained: wrapped by parts.wrap_model).
-    on_step(step, loss) is called after every optimizer step (lablib.benchmark.StepMeter measures there).
+    on_step(step, loss) is called after every optimizer step (lablib.measure.benchmark.StepMeter measures there).
     """
     model = parts.wrap_model(model, env)
     K = parts.accumulate
@@ -148,7 +149,7 @@ def evaluate(model, val_set, batch_size: int, env, mean_across_ranks: Callable |
 def time_accumulation(model, optimizer, train_set, config, env, ddp_log) -> dict:
     """A few more DDP accumulation steps of config.accum_steps micro-batches, all-reducing after every
     micro-batch and with no_sync(): gradient all-reduces per step (counted) and the step time
-    (``lablib.timing``)."""
+    (``lablib.measure.timing``)."""
     K, micro = config.accum_steps, config.batch_size // (env.world_size * config.accum_steps)
     items = [train_set[i] for i in range(K * micro)]
     x = torch.stack([it[0] for it in items]).to(env.device).split(micro)
@@ -194,13 +195,13 @@ def traced_step(model, optimizer, train_set, config, env, persistent: dict | Non
                 group_names: dict | None = None) -> dict:
     """Two more training steps, the second watched (after the measured run, so they change none of its
     figures): this rank's share of the first global batch, with ``memory.MemoryTimeline`` sampling what the
-    rank holds at every module boundary and ``lablib.counting`` recording the process group of every
+    rank holds at every module boundary and ``lablib.measure.counting`` recording the process group of every
     collective the step called (``CollectiveLog.by_group``, groups named by ``group_names``: {ranks: name}).
     DDP all-reduces its buckets in C++, which ``count_collectives`` does not see: a DDP model reports no groups."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from lablib.counting import count_collectives
-    from lablib.memory import MemoryTimeline
+    from lablib.measure.counting import count_collectives
+    from lablib.measure.memory import MemoryTimeline
 
     micro = config.batch_size // env.world_size
     items = [train_set[i] for i in range(env.rank * micro, (env.rank + 1) * micro)]
@@ -224,7 +225,7 @@ def train_in_this_process(train_loop: Callable, config, threads: int = 1) -> lis
     process (world size 1, no torchrun), from the run's initial weights with the lab's optimizer and, like
     every rank of the lab's runs, ``threads`` CPU threads: a look at a loop in seconds, before a
     multi-process run. Returns the loop's validation curve."""
-    from lablib.distenv import from_env
+    from lablib.jobs.distenv import from_env
 
     tokenizer, train_set, val_set = data.shakespeare_datasets(config.block_size, config.val_blocks)
     model = new_model(tokenizer.vocab_size, config, from_env().device)      # the device a rank 0 would use
@@ -244,7 +245,7 @@ class _WithoutProgress:
         self.out, self.pending = out, ""
 
     def write(self, text: str) -> int:
-        from lablib.processes import PROGRESS_PREFIX
+        from lablib.jobs.processes import PROGRESS_PREFIX
 
         self.pending += text
         *lines, self.pending = self.pending.split("\n")
@@ -266,10 +267,10 @@ def run_in_this_process(options: dict, threads: int = 1) -> dict:
     import dataclasses
     import sys
 
-    from lablib import config as cfg
-    from lablib.distenv import from_env
+    from lablib.jobs import config as cfg
+    from lablib.jobs.distenv import from_env
     from lablib.runs import gpt_migration
-    from lablib.script import jsonable
+    from lablib.jobs.script import jsonable
 
     config = cfg.from_options(gpt_migration.Config, dict(options))
     env = from_env()

@@ -1,6 +1,6 @@
 """Pipeline parallelism, applied to the course GPT from outside: the stages, and a given schedule played in time.
 
-``gpt_stages(model, n_stages)`` cuts a ``lablib.models.GPT`` into consecutive stages (stage 0: the
+``gpt_stages(model, n_stages)`` cuts a ``lablib.course.models.GPT`` into consecutive stages (stage 0: the
 embeddings and the first blocks; the last stage: the last blocks, ``ln_f``, ``lm_head`` and the loss). GPT-2
 ties ``lm_head.weight`` to ``wte.weight``; once the two sit on different ranks each stage keeps its own copy
 and the two gradients must be added (Megatron-LM all-reduces them between the first and last stage; the
@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lablib.models import GPT
+from lablib.course.models import GPT
 
 KINDS = ("gpipe", "1f1b")
 
@@ -241,7 +241,7 @@ def _timing(op) -> tuple[str, int, float, float]:
 
 def busy_and_span(timeline) -> tuple[list[float], float]:
     """Per rank the time it computed (forwards and backwards), and the step: first start to last end. timeline:
-    one list per rank of ``Op`` (played) or [kind, micro-batch, start, end] (measured by lablib.pipeline_probes)."""
+    one list per rank of ``Op`` (played) or [kind, micro-batch, start, end] (measured by lablib.probes.pipeline)."""
     ops = [[_timing(op) for op in rank_ops] for rank_ops in timeline]
     start = min(op[2] for rank_ops in ops for op in rank_ops)
     end = max(op[3] for rank_ops in ops for op in rank_ops)

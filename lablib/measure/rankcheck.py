@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from lablib.memory import local_tensor
+from lablib.measure.memory import local_tensor
 
 
 class RecordingDataset(Dataset):

@@ -11,7 +11,7 @@ exercise:
   same numbers through the same element-wise arithmetic), and so the losses to the rounding of their own mean.
   (Stepped on its own all-reduced mean, AdamW's division by sqrt(v) would magnify the two sums' last-bit
   differences, up to 1.4e-5 in the GPT case after 4 steps: no bound from the arithmetic.);
-- on real ranks and the course GPT (``lablib.models``), FSDP2 (``fully_shard`` on every block, then the root)
+- on real ranks and the course GPT (``lablib.course.models``), FSDP2 (``fully_shard`` on every block, then the root)
   trained on the same batches from the same weights: the first loss (the same weights) must be the same to the
   rounding of its mean; after that FSDP2's own reduce-scatter order and AdamW allow no bound, so the later losses
   are reported, not checked.
@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lablib import checks
-from lablib.ddp_probes import default_group
-from lablib.memory import unique_storage_bytes
-from lablib.models import GPT, GPTConfig
-from lablib.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects, mean_rounding_bound
-from lablib.zero_probes import (CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build, check_gradient_then_update,
+from lablib.probes.ddp import default_group
+from lablib.measure.memory import unique_storage_bytes
+from lablib.course.models import GPT, GPTConfig
+from lablib.measure.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects, mean_rounding_bound
+from lablib.probes.zero import (CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build, check_gradient_then_update,
                                 error_in_impl, gather_shards, held_bytes)
 
 GPT_CASE = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)   # 28,576 parameters; padding at N = 3

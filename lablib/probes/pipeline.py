@@ -2,18 +2,18 @@
 
 ``check_schedule`` grades a schedule by what any GPipe or 1F1B order must do, with no reference order: every
 forward and backward once per stage, in micro-batch order, F j before B j, GPipe's forwards first, 1F1B's stage
-s holding at most min(p - s, m) micro-batches, and, played by ``lablib.pipeline.play``, no deadlock and the step
+s holding at most min(p - s, m) micro-batches, and, played by ``lablib.parallel.pipeline.play``, no deadlock and the step
 over in (m + p - 1)(t_f + t_b). (For p <= 4 and m <= 5 these leave exactly one 1F1B order; the tests count them.)
 
 ``probe_engine`` runs one training step of the student's ``pipeline_step`` on this rank's stage of the
-course GPT (``lablib.pipeline.gpt_stages``), with the op lists it is given (the notebook writes them out for
+course GPT (``lablib.parallel.pipeline.gpt_stages``), with the op lists it is given (the notebook writes them out for
 the visible cases; never the student's exercise 1), and records
 
 - the order in which the stage really ran forwards and backwards (module hooks and an identity autograd
   function on the stage's output, so the check sees what ran, not what the engine says);
 - per operation when it started and ended (the Gantt chart), and the saved-activation bytes of each
-  micro-batch's forward (``lablib.memory.SavedActivations``);
-- every send/recv the engine called, with its peer and launch/done times (``lablib.counting``);
+  micro-batch's forward (``lablib.measure.memory.SavedActivations``);
+- every send/recv the engine called, with its peer and launch/done times (``lablib.measure.counting``);
 - the stage's gradients and the micro-batches' losses.
 
 The ranks start the step together (a barrier once everything before it is built), and the engine runs on a
@@ -40,12 +40,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from lablib import checks, counting, pipeline
-from lablib.ddp_probes import default_group
-from lablib.distenv import DistEnv
-from lablib.exercise import load_module
-from lablib.memory import SavedActivations
-from lablib.models import GPT, GPTConfig
+from lablib import checks
+from lablib.measure import counting
+from lablib.parallel import pipeline
+from lablib.probes.ddp import default_group
+from lablib.jobs.distenv import DistEnv
+from lablib.jobs.exercise import load_module
+from lablib.measure.memory import SavedActivations
+from lablib.course.models import GPT, GPTConfig
 
 SMALL = GPTConfig(vocab_size=17, block_size=8, n_layer=4, n_head=2, n_embd=16)
 
@@ -105,7 +107,7 @@ def check_schedule(kind: str, orders, n_stages: int, n_microbatches: int, what: 
     try:
         played = pipeline.play([_as_ops(o, what) for o in orders])
     except pipeline.Deadlock as exc:
-        raise checks.CheckFailed(f"{what}: played in order (lablib.pipeline.play), the ranks wait for each other: "
+        raise checks.CheckFailed(f"{what}: played in order (lablib.parallel.pipeline.play), the ranks wait for each other: "
                                  f"{'; '.join(exc.waits)}") from None
     end, best = max(op.end for rank_ops in played for op in rank_ops), (m + p - 1) * 3
     checks.check_true(end <= best + 1e-9, f"{what}: played in order with t_f = 1, t_b = 2 the step takes {end:g}, "
@@ -421,7 +423,7 @@ def _first_traceback(result) -> str:
     return f"rank {rank}'s traceback:\n" + "\n".join(lines[start:])
 
 
-# --- what the measurement reads from a result (its timeline: lablib.pipeline.idle_fraction(result.events)) ---------
+# --- what the measurement reads from a result (its timeline: lablib.parallel.pipeline.idle_fraction(result.events)) ---------
 
 def peak_saved_bytes(result) -> list[int]:
     """Per rank, the most saved-activation bytes held at once: a forward adds its micro-batch's bytes, the

@@ -1,4 +1,4 @@
-"""Tensor parallelism applied to the course GPT from outside (``lablib.models`` knows nothing of it).
+"""Tensor parallelism applied to the course GPT from outside (``lablib.course.models`` knows nothing of it).
 
 Two ways, one model:
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lablib.memory import local_tensor
+from lablib.measure.memory import local_tensor
 
 # parameter name suffix -> (dimension split, how the shard's place is found) in apply_by_hand's modules: lab 08's
 # contract fixes the MLP's blocks (exercise 2); the attention's rows and columns are found by value (exercise 3

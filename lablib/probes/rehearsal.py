@@ -11,7 +11,7 @@ answer fail, and a hang show as a named deadlock, before seconds of process star
   sum adds rank 0's first). A thread that calls a collective the others do not call waits at the rendezvous
   until ``timeout_s``, then every thread gets a ``RehearsalDeadlock`` naming the collective. A function not
   listed raises ``RehearsalUnsupported`` (the caller then goes straight to the real run).
-- **Point-to-point** (lab 02): ``ThreadWorld`` gives each thread a ``ThreadComm``, a ``lablib.p2p.CountingComm``
+- **Point-to-point** (lab 02): ``ThreadWorld`` gives each thread a ``ThreadComm``, a ``lablib.measure.p2p.CountingComm``
   whose sends and receives are matched in posting order per pair of ranks, as gloo and MPI match them; the bytes
   are copied raw when both sides are posted, so ``isend`` + ``irecv`` + ``wait`` works and two blocking sends
   facing each other deadlock, as between processes. The deadlock is seen at once (every unfinished rank waits on
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from lablib.p2p import CountingComm
+from lablib.measure.p2p import CountingComm
 
 _local = threading.local()
 

@@ -15,7 +15,7 @@ The references are PyTorch's, never another exercise: each rank also trains a co
   reference on its own all-reduced mean instead would let AdamW's division by sqrt(v) magnify the last-bit
   differences of the two sums, by up to the learning rate where a gradient is near 0: no bound from the arithmetic.
 
-What a rank holds is counted from storages (``lablib.memory.StorageCounter``: each storage once, views included
+What a rank holds is counted from storages (``lablib.measure.memory.StorageCounter``: each storage once, views included
 in their base): ``held_bytes`` walks everything reachable from the student's object (attributes, lists, dicts,
 inner optimizers and their state, ``.grad`` of every tensor found), so a copy of the state kept anywhere counts,
 whatever it is named.
@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lablib import checks, data
-from lablib.ddp_probes import default_group
-from lablib.distenv import DistEnv
-from lablib.memory import StorageCounter
-from lablib.rankcheck import bound_ratio, gather_objects, max_abs_diff, mean_rounding_bound, weight_spread
+from lablib import checks
+from lablib.course import data
+from lablib.probes.ddp import default_group
+from lablib.jobs.distenv import DistEnv
+from lablib.measure.memory import StorageCounter
+from lablib.measure.rankcheck import bound_ratio, gather_objects, max_abs_diff, mean_rounding_bound, weight_spread
 
 CLASSES = {"zero1": "ShardedOptimizer", "zero2": "ZeRO2", "zero3": "ZeRO3"}
 
@@ -168,9 +169,9 @@ def adamw_state_bytes(params) -> int:
 def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int = 10, per_rank: int = 4,
                seed: int = 0, fsdp2: bool = False) -> dict:
     """Train the student's class and plain AdamW side by side on group's ranks (world size 1 in a notebook).
-    Exercise 3 (``zero3``) is ``lablib.zero3_probes.probe`` (4 steps; fsdp2: FSDP2's losses too, real ranks)."""
+    Exercise 3 (``zero3``) is ``lablib.probes.zero3.probe`` (4 steps; fsdp2: FSDP2's losses too, real ranks)."""
     if exercise == "zero3":
-        from lablib import zero3_probes
+        from lablib.probes import zero3 as zero3_probes
         return zero3_probes.probe(impl, case_name, env, group, steps=min(steps, 4), per_rank=min(per_rank, 2),
                                   seed=seed, fsdp2=fsdp2)
     case = CASES[case_name]
@@ -269,10 +270,10 @@ def error_in_impl(exc: BaseException) -> str:
 
 def rehearse(impl, exercise: str, runs) -> list[dict]:
     """probe_case for each "world size:case" of runs on ranks that are threads of this process
-    (``lablib.rehearsal``): seconds, before the real torchrun run of the same cases. Per run, rank 0's
+    (``lablib.probes.rehearsal``): seconds, before the real torchrun run of the same cases. Per run, rank 0's
     result, or the first rank's whose error is not only the wait for a rank that failed. Nothing (and a line
     that says so) when the class calls a collective the rehearsal does not emulate."""
-    from lablib.rehearsal import RehearsalUnsupported, run_in_thread_ranks
+    from lablib.probes.rehearsal import RehearsalUnsupported, run_in_thread_ranks
 
     out = []
     for n, case in (r.split(":") for r in runs):
@@ -311,7 +312,7 @@ def check_probe(r: dict, exercise: str) -> None:
     """The graded checks of one probe_case result (at any world size); each failure says what and why."""
     r = r.to_dict() if hasattr(r, "to_dict") else r      # a launch.RunResult: plain lists and dicts to compare
     if exercise == "zero3":
-        from lablib import zero3_probes
+        from lablib.probes import zero3 as zero3_probes
         return zero3_probes.check(r)
     where = f"{CLASSES[exercise]} on {r['world_size']} rank(s), case '{r['case']}'"
     checks.check_true(r["error"] is None, f"{where}: raised {r['error']}",
@@ -376,10 +377,10 @@ def lab04_bytes_per_rank(folder=None):
     import json
     from pathlib import Path
 
-    from lablib import memory
+    from lablib.measure import memory
 
     here = Path(folder or Path.cwd()).resolve()
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     candidates = [here.parent / LAB04, repo / "solutions" / LAB04, repo / "labs" / LAB04]
     why = []
     for candidate in candidates:

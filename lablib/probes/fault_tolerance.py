@@ -20,9 +20,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from lablib import checkpointing, checks
-from lablib.distenv import DistEnv
-from lablib.exercise import load_module
+from lablib.parallel import checkpointing
+from lablib import checks
+from lablib.jobs.distenv import DistEnv
+from lablib.jobs.exercise import load_module
 
 
 def load_impl(path: str = "ft_impl.py"):
@@ -110,7 +111,7 @@ def check_resumed(metrics, faults=None, ckpt_every: int | None = None, where: st
                               hint="same batch and learning rate, different result: the model or optimizer state, "
                                    "or a random generator (dropout: torch; the windows' shifts: Python's random) was "
                                    "not restored, or not this rank's own (DCP keeps one copy of a key every rank "
-                                   "writes; lablib.checkpointing.per_rank)")
+                                   "writes; lablib.parallel.checkpointing.per_rank)")
     final = {}
     for r in records:
         final[r["step"]] = r

@@ -5,7 +5,7 @@ loop itself carries no measuring code and a DDP loop, an FSDP2 loop and an Accel
 identically. Between two calls lies exactly one training step (forward, backward, optimizer step,
 ``zero_grad``), and the meter opens its measuring windows on those boundaries:
 
-- **step time** (``lablib.timing``'s definition): the interval between calls on each rank, leaving out
+- **step time** (``lablib.measure.timing``'s definition): the interval between calls on each rank, leaving out
   warm-up, evaluation and measured steps; per step the slowest rank's; their median is ``median_step_s``;
   tokens/s = tokens of the global batch / that median;
 - **memory per rank** (one step, ``profile_step``), counted the same way on every device, never
@@ -21,7 +21,7 @@ identically. Between two calls lies exactly one training step (forward, backward
   ``torch.cuda.max_memory_allocated`` (the allocator's real peak) is recorded next to them;
 - **CPU share**: the process's CPU time per step over its wall time (1.0: one core busy all the time;
   below 1 on one thread: the rank waited, for a collective or for a core another process held);
-- **collectives per step** (one step, ``count_step``), by ``lablib.counting``: FSDP2's all-gathers and
+- **collectives per step** (one step, ``count_step``), by ``lablib.measure.counting``: FSDP2's all-gathers and
   reduce-scatters through ``count_collectives``, DDP's bucket all-reduces through the hook that
   ``counting.count_ddp_models()`` puts on every DDP model built inside it (also the one Accelerate builds in
   ``prepare``): pass that log as ``ddp_log``.
@@ -35,9 +35,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from lablib import script, timing
-from lablib.counting import CollectiveLog, count_collectives
-from lablib.memory import SavedActivations, model_state_bytes, unique_storage_bytes
+from lablib.jobs import script
+from lablib.measure import timing
+from lablib.measure.counting import CollectiveLog, count_collectives
+from lablib.measure.memory import SavedActivations, model_state_bytes, unique_storage_bytes
 
 # The step after which memory is measured, and the one after which collectives are counted (both after
 # DDP's first-step bucket rebuild and FSDP2's lazy initialisation).
@@ -117,7 +118,7 @@ class StepMeter:
         calls, nbytes = self.ddp_log.count(), self.ddp_log.bytes()
         self._ddp_step_bytes = nbytes - self._ddp_bytes
         self._ddp_calls, self._ddp_bytes = calls, nbytes
-        if self.env.device.type == "cuda":      # the step is over when the GPU is done (lablib.timing's stopwatch)
+        if self.env.device.type == "cuda":      # the step is over when the GPU is done (lablib.measure.timing's stopwatch)
             torch.cuda.synchronize(self.env.device)
         now, cpu = time.perf_counter(), time.process_time()
         measured = step - 1 in (self.profile_step, self.count_step)
@@ -131,7 +132,7 @@ class StepMeter:
         self._t, self._cpu = time.perf_counter(), time.process_time()
 
     def summary(self) -> dict:
-        """Every rank must call this (a collective: the slowest rank sets the pace, ``lablib.timing``)."""
+        """Every rank must call this (a collective: the slowest rank sets the pace, ``lablib.measure.timing``)."""
         if self._window is not None:
             self._close()
         steps = sorted(self.intervals)

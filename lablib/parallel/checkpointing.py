@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lablib import data, distenv, models, processes
+from lablib.course import data, models
+from lablib.jobs import distenv, processes
 
 LOG_FILE = "log.jsonl"
 MARKER = "checkpoint saved at step"   # rank 0 prints "checkpoint saved at step N" after each complete save

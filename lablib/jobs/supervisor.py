@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from lablib import processes
+from lablib.jobs import processes
 
 
 class Supervisor:

@@ -123,7 +123,7 @@ def model_state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Opt
 
 class SavedActivations:
     """Count the storages autograd saves for backward while the block is open: the course's one counter of
-    activation memory (lab 04's measurements, and every training step ``lablib.benchmark`` measures).
+    activation memory (lab 04's measurements, and every training step ``lablib.measure.benchmark`` measures).
 
         with SavedActivations(exclude=model.parameters()) as saved:
             loss = model(x, y)[1]

@@ -1,0 +1,1 @@
+"""Running a step: torchrun from a notebook, the process environment, run scripts' skeleton, several nodes."""

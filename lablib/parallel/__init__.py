@@ -1,0 +1,1 @@
+"""Parallelisms applied to a plain model from outside: pipeline, tensor, FSDP2 checkpointing, activations."""

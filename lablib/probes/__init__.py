@@ -1,0 +1,1 @@
+"""Observers of the students' code on ranks (or threads standing in for them) behind the visible checks: they measure properties, never hold an answer (answer-equal references live in instructor/references/)."""
