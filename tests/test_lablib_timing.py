@@ -42,7 +42,7 @@ def test_per_step_maximum_then_median_across_ranks(tmp_path):
     script = tmp_path / "steps.py"
     script.write_text(
         "import json, torch, torch.distributed as dist\n"
-        "from lablib import timing\n"
+        "from lablib.measure import timing\n"
         "dist.init_process_group('gloo')\n"
         "r = dist.get_rank()\n"
         "mine = [0.3 if (k + r) % 2 == 0 else 0.1 for k in range(5)] + [0.1]\n"
