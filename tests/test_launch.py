@@ -360,3 +360,15 @@ def test_threads_are_split_between_ranks():
     assert launch.default_threads_per_rank(10 * os.cpu_count()) == 1
     result = launch.run("hello", nproc=2, threads_per_rank=1, timeout_s=120, quiet=True)
     assert {r["threads_per_rank"] for r in result["metrics"]["ranks"]} == {1}
+
+
+def test_exit_codes_read_only_the_summary_records():
+    """torchrun's agent logs 'failed (exitcode: 1) local_rank: 0 (pid: ...)' before its summary; a match starting
+    there paired rank 0 with rank 1's SIGABRT, and a rank that died by a signal was reported as the wrong rank."""
+    log = ("I1125 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 3378) of binary: /venv/bin/python\n"
+           "Failures:\n[1]:\n  time      : 2026-11-25_01:00:22\n  host      : localhost\n"
+           "  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 3379)  (SIGABRT)\n  error_file: <N/A>\n"
+           "------------------------------------------------------------\nRoot Cause (first observed failure):\n[0]:\n"
+           "  time      : 2026-11-25_01:00:22\n  host      : localhost\n  rank      : 0 (local_rank: 0)\n"
+           "  exitcode  : 1 (pid: 3378) \n")
+    assert processes.rank_exit_codes(log) == [(0, 1, 3378), (1, -6, 3379)]

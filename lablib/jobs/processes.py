@@ -172,12 +172,16 @@ def _tail(text: str, n: int = 30) -> str:
 
 def rank_exit_codes(torchrun_log: str) -> list[tuple[int, int, int | None]]:
     """(rank, exit code, pid) from torchrun's failure summary (the last attempt's), root cause first."""
-    summary = torchrun_log
+    # Only the summary's records: the agent's own lines before it also say "local_rank: 0 ... exitcode", and a
+    # match that started there paired rank 0 with another rank's exit code (seen: rank 0 reported as SIGABRT).
+    start = torchrun_log.rfind("Failures:")
+    summary = torchrun_log[start:] if start >= 0 else torchrun_log
     root = summary.find("Root Cause")
     if root >= 0:  # torchrun prints the other failures first, then the root cause: put that first
         summary = summary[root:] + "\n" + summary[:root]
-    found = re.findall(r"rank\s*:\s*(\d+)[^\n]*\n(?:[^\n]*\n)*?\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?",
-                       summary)
+    # One record: "  rank      : 1 (local_rank: 1)" then, before the next "[k]:" header, "  exitcode  : -6 (pid: 3379)".
+    found = re.findall(r"^\s*rank\s*:\s*(\d+)[^\n]*\n(?:(?!\s*\[\d+\]:)[^\n]*\n)*?\s*exitcode\s*:\s*(-?\d+)"
+                       r"(?:\s*\(pid:\s*(\d+)\))?", summary, re.M)
     return [(int(r), int(c), int(pid) if pid else None) for r, c, pid in found]
 
 
@@ -197,10 +201,17 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
+# What a rank raises when a peer's process is gone (gloo's TCP transport; NCCL's watchdog names the peer's exit).
+PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crashing|"
+                       r"ECONNRESET|EPIPE", re.I)
+
+
 def first_failure(folder: Path) -> Failure:
     """Why the run failed, in this order:
     - a rank of the last attempt killed by SIGKILL that no record claims (``record_deliberate_kill``): the
       out-of-memory killer, or a person; what its peers raised after it lost them is the consequence;
+    - a rank killed by another signal nobody in the course sent, when every error of the last attempt is only a
+      rank losing its peer (``PEER_LOST``);
     - the traceback of the first rank that raised (earliest timestamp) in the last attempt that recorded errors,
       with one line for each earlier attempt's first error;
     - a rank killed by another signal nobody in the course sent (SIGABRT, SIGSEGV), with its log's last lines;
@@ -220,6 +231,13 @@ def first_failure(folder: Path) -> Failure:
         if number == signal.SIGKILL:
             return killed_by(rank, number)
     errors = _recorded_errors(folder)
+    if killed and errors and all(PEER_LOST.search(text) for _, _, text in errors[max(errors)]):
+        # Every error of the last attempt is a rank losing its peer: a rank that died by a signal without raising
+        # is the cause (gloo reports the closed socket at once, often before torchrun notices the death; the rank
+        # that raised may itself then abort in gloo's teardown, so it is a consequence, not a candidate).
+        raised = {rank for _, rank, _ in errors[max(errors)]}
+        silent = [(rank, number) for rank, number in killed if rank not in raised]
+        return killed_by(*(silent or killed)[0])
     if errors:
         last = max(errors)
         _, rank, text = min(errors[last])
