@@ -115,6 +115,17 @@ def mean_rounding_bound(abs_sum, n: int, unit_roundoff: float = FP32_UNIT_ROUNDO
     return 2 * gamma(n, unit_roundoff) * abs_sum / n
 
 
+def mean_gradient_and_abs_sum(params, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranks' mean of ``params``' gradients, flat (numel,), and the sum over ranks of their absolute values
+    (what ``mean_rounding_bound`` needs): one all-reduce each, the way a data-parallel reference takes its mean."""
+    flat = torch.cat([p.grad.flatten() for p in params])
+    abs_sum = flat.abs()
+    if world_size > 1:
+        dist.all_reduce(flat)
+        dist.all_reduce(abs_sum)
+    return flat.div_(world_size), abs_sum
+
+
 def bound_ratio(diff: torch.Tensor, bound: torch.Tensor) -> float:
     """max over elements of |diff| / bound: at most 1.0 when every element is within its own bound (an element whose
     bound is 0 must differ by exactly 0, else the ratio is inf)."""

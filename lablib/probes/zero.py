@@ -39,7 +39,8 @@ from lablib.course import data
 from lablib.probes.ddp import default_group
 from lablib.jobs.distenv import DistEnv
 from lablib.measure.memory import StorageCounter
-from lablib.measure.rankcheck import bound_ratio, gather_objects, max_abs_diff, mean_rounding_bound, weight_spread
+from lablib.measure.rankcheck import (bound_ratio, gather_objects, max_abs_diff, mean_gradient_and_abs_sum,
+                                      mean_rounding_bound, weight_spread)
 
 CLASSES = {"zero1": "ShardedOptimizer", "zero2": "ZeRO2", "zero3": "ZeRO3"}
 
@@ -217,12 +218,7 @@ def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int 
                             dist.broadcast(flat, src=0)
                         targets = [*model.parameters(), *reference.parameters()]
                     else:                            # zero2: the mean over ranks, and the sum of |terms| it rounds
-                        flat = torch.cat([q.grad.flatten() for q in reference.parameters()])
-                        abs_sum = flat.abs()
-                        if world_size > 1:
-                            dist.all_reduce(flat)
-                            dist.all_reduce(abs_sum)
-                        flat.div_(world_size)
+                        flat, abs_sum = mean_gradient_and_abs_sum(list(reference.parameters()), world_size)
                         targets = []                 # the reference steps on the student's own mean (below)
                     for p, g in zip(targets, [*flat.split([t.numel() for t in model.parameters()])] * 2):
                         p.grad.copy_(g.view_as(p.grad))

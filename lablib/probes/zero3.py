@@ -36,7 +36,8 @@ from lablib import checks
 from lablib.probes.ddp import default_group
 from lablib.measure.memory import unique_storage_bytes
 from lablib.course.models import GPT, GPTConfig
-from lablib.measure.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects, mean_rounding_bound
+from lablib.measure.rankcheck import (FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects,
+                                      mean_gradient_and_abs_sum, mean_rounding_bound)
 from lablib.probes.zero import (CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build, check_gradient_then_update,
                                 error_in_impl, gather_shards, held_bytes)
 
@@ -170,12 +171,7 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
                 ref_loss.backward()
                 ref_losses.append(mean_over_ranks(ref_loss.item(), world_size, env.device))
                 with torch.no_grad():            # the mean gradient, and the sum of |terms| it rounds: one flat each
-                    flat = torch.cat([q.grad.flatten() for q in reference.parameters()])
-                    abs_sum = flat.abs()
-                    if world_size > 1:
-                        dist.all_reduce(flat)
-                        dist.all_reduce(abs_sum)
-                    flat.div_(world_size)
+                    flat, abs_sum = mean_gradient_and_abs_sum(list(reference.parameters()), world_size)
                     sizes = [q.numel() for q in reference.parameters()]
                     mean = dict(zip(ref_params, flat.split(sizes)))
                     bound = dict(zip(ref_params, mean_rounding_bound(abs_sum, world_size).split(sizes)))
