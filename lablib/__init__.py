@@ -39,7 +39,8 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.parallel.activation_checkpointing``  activation checkpointing applied to a plain model
 
 ``lablib.probes``: observers of the students' code behind the visible checks (properties, never an answer)
-- ``lablib.probes.rehearsal``       ranks as threads of this process: an exercise rehearsed in a second before torchrun
+- ``lablib.probes.rehearsal``       ranks as threads of this process: collectives rehearsed in a second before torchrun
+- ``lablib.probes.ring_rehearsal``  lab 02's ring rehearsed on threads (sends and receives matched as gloo matches them)
 - ``lablib.probes.gpt_migration``   lab 05's exercise code on the ranks
 - ``lablib.probes.ddp``             lab 06's DDP classes on the ranks
 - ``lablib.probes.zero``            lab 07's ZeRO-1 and ZeRO-2 (vs AdamW, bytes each rank holds)

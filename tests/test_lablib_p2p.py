@@ -111,8 +111,8 @@ def test_unknown_dtype_rejected_before_start():
 
 # --- the rehearsal in threads ----------------------------------------------------------------------------
 
-from lablib.measure.p2p import rehearse_ring  # noqa: E402
-from lablib.probes.rehearsal import RehearsalDeadlock as DeadlockError, RehearsalError, run_in_threads  # noqa: E402
+from lablib.probes.ring_rehearsal import rehearse_ring  # noqa: E402
+from lablib.probes.ring_rehearsal import RehearsalDeadlock as DeadlockError, RehearsalError, run_in_threads  # noqa: E402
 from lablib.runs.ring_allreduce import naive_all_reduce  # noqa: E402
 
 

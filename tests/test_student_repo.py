@@ -44,7 +44,7 @@ SHIPPED_MODULES = {
     "lablib/jobs": ["__init__", "config", "distenv", "exercise", "launch", "multinode", "processes", "script", "supervisor"],
     "lablib/measure": ["__init__", "benchmark", "counting", "memory", "p2p", "rankcheck", "timing"],
     "lablib/parallel": ["__init__", "activation_checkpointing", "checkpointing", "pipeline", "tensor_parallel"],
-    "lablib/probes": ["__init__", "ddp", "fault_tolerance", "gpt_migration", "pipeline", "rehearsal", "tensor_parallel", "zero", "zero3"],
+    "lablib/probes": ["__init__", "ddp", "fault_tolerance", "gpt_migration", "pipeline", "rehearsal", "ring_rehearsal", "tensor_parallel", "zero", "zero3"],
     "lablib/runs": ["__init__", "amdahl_scaling", "collectives", "collectives_job", "ddp_overlap", "ddp_scratch", "fault_tolerance", "gpt_migration", "grad_accum", "hello", "pipeline", "pipeline_torch", "ring_allreduce", "tensor_parallel", "tp_2d", "tp_gpt", "zero_memory", "zero_scratch", "zero_stages"],
 }
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lablib.jobs import processes
+from lablib.jobs.processes import restart_attempt  # noqa: F401 - part of this module's interface
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,6 @@ def gloo_gaps(device: torch.device, world_size: int) -> list[str]:
         except (RuntimeError, NotImplementedError, ValueError) as exc:
             gaps.append(f"{name} ({str(exc).strip().splitlines()[0][:100]})")
     return gaps
-
-
-def restart_attempt() -> int:
-    """Which attempt of the worker group this is: 0 on the first start, then 1, 2, ... after each restart by
-    ``torchrun --max-restarts`` (``TORCHELASTIC_RESTART_COUNT``; 0 without torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def attempt_store(timeout: datetime.timedelta) -> dist.Store:

@@ -84,6 +84,12 @@ def error_file(folder: Path, rank: int, attempt: int) -> Path:
     return folder / f"rank{rank}.attempt{attempt}.error"
 
 
+def restart_attempt() -> int:
+    """Which attempt of the worker group this is: 0 on the first start, then 1, 2, ... after each restart by
+    ``torchrun --max-restarts`` (``TORCHELASTIC_RESTART_COUNT``; 0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def record_error(rank: int, error: BaseException | str) -> None:
     """Leave this rank's traceback (or message) for the launcher, stamped with the time it happened.
 
@@ -94,8 +100,6 @@ def record_error(rank: int, error: BaseException | str) -> None:
     folder = run_dir()
     if folder is None or isinstance(error, SystemExit):
         return
-    from lablib.jobs.distenv import restart_attempt  # here: the launcher imports this module, and not torch
-
     path = error_file(folder, rank, restart_attempt())
     if path.exists():
         return

@@ -132,3 +132,47 @@ def _run(config_cls, run: Callable, argv: list[str] | None) -> None:
     except BaseException as exc:  # noqa: BLE001 - record, then re-raise
         processes.record_error(rank, exc)
         raise
+
+
+class _WithoutProgress:
+    """A stdout that passes every line but the launcher's progress events (a run in this process has no
+    launcher to draw them)."""
+
+    def __init__(self, out):
+        self.out, self.pending = out, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not line.startswith(processes.PROGRESS_PREFIX):
+                self.out.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def run_in_this_process(step, options: dict, threads: int = 1) -> dict:
+    """A run script's ``run`` in this process: world size 1, no torchrun (a single-process baseline from a
+    notebook, without a process start). ``step`` is the run module itself (``from lablib.runs import
+    gpt_migration``), so this library never imports a run script. The same ``run`` every torchrun rank calls,
+    the options checked against the same ``Config``, ``threads`` CPU threads like every rank of the lab's
+    runs. Returns what a run records: {"config", "env", "metrics"}."""
+    import contextlib
+
+    import torch
+
+    config = cfg.from_options(step.Config, dict(options))
+    env = distenv.from_env()
+    if hasattr(config, "validate_world"):
+        config.validate_world(env.world_size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with contextlib.redirect_stdout(_WithoutProgress(sys.stdout)):
+            metrics = step.run(env, config)
+        described = env.describe()
+    finally:
+        torch.set_num_threads(before)
+    return jsonable({"config": dataclasses.asdict(config), "env": described, "metrics": metrics})

@@ -172,47 +172,5 @@ def summarise(per_rank: list[dict], world_size: int, shape, dtype_name: str) -> 
     return row
 
 
-def rehearse_ring(ring_all_reduce, world_sizes=(2, 3, 4), sizes=(), shapes=(), dtypes=("float32",),
-                  seed: int = 0, timeout_s: float = 30.0) -> list[dict]:
-    """Lab 02's check cases run on threads (``ThreadWorld``) in this process, in a second: the rows have the
-    format of ``lablib.runs.ring_allreduce``'s ``check`` rows (without the naive baseline), the reference
-    being the exact sum of the ranks' small-integer tensors. A rank that raises (a deadlock included) raises
-    here. A ``torch.distributed`` call made by the student's function fails in threads (there is no
-    process group); it is reported in ``direct_calls`` of the row instead.
-    """
-    from lablib.probes.rehearsal import run_in_threads
-
-    rows = []
-    for world_size in world_sizes:
-        for dtype_name in dtypes:
-            dtype = RING_DTYPES[dtype_name]
-            all_shapes = [(n,) for n in sizes] + [tuple(int(d) for d in s.split("x")) for s in shapes]
-            for i, shape in enumerate(all_shapes):
-                inputs = [small_integers(math.prod(shape), dtype, seed * 7919 + 1000 * i + r).view(shape)
-                          for r in range(world_size)]
-                expected = torch.stack([x.double() for x in inputs]).sum(0)
-
-                def one_rank(comm, inputs=inputs):
-                    got = inputs[comm.rank].clone()
-                    returned = ring_all_reduce(got, comm)
-                    err = (got.double() - expected).abs().max().item() if got.shape == expected.shape else float("inf")
-                    return {"max_abs_err": err, "returned_input": returned is got, "direct_calls": [],
-                            "element_size": got.element_size(), "ring": comm.counts()}
-
-                with direct_calls() as called:
-                    try:
-                        per_rank = run_in_threads(world_size, one_rank, timeout_s)
-                    except Exception:
-                        if not called.calls:
-                            raise
-                        per_rank = [{"max_abs_err": float("inf"), "returned_input": False, "direct_calls": [],
-                                     "element_size": inputs[0].element_size(), "ring": TrafficCount().as_dict()}
-                                    ] * world_size
-                row = summarise(per_rank, world_size, shape, dtype_name)
-                row["direct_calls"] = sorted({c.function for c in called.calls})
-                rows.append(row)
-    return rows
-
-
 RING_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                "float16": torch.float16, "int32": torch.int32, "int64": torch.int64}
