@@ -18,6 +18,8 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.measure.timing``    the one definition of a step's time across ranks (slowest rank per step, median)
 - ``lablib.measure.counting``  the one layer that counts collectives (name, bytes, bus bytes, group, launch and
                                completion) at torch's communication ops, however the caller spelled the call
+- ``lablib.measure.collective_log`` what a count records: ``Call``, ``CollectiveLog``, names and bus factors
+- ``lablib.measure.c10d_ops``  the layer under counting: a kernel on torch's c10d and functional-collective ops
 - ``lablib.measure.memory``    bytes held in parameters, gradients, optimizer state; the one saved-activation counter
 - ``lablib.measure.benchmark`` ``StepMeter``: one way to measure every variant's step (time, memory, collectives)
 - ``lablib.measure.rankcheck`` which samples each rank saw, whether the ranks' weights agree, and the rounding
