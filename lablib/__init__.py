@@ -6,6 +6,7 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.jobs.launch``    ``run(step, options, nproc=...)``: a ``lablib.runs.<step>`` under torchrun, its result;
                             ``run_script(path, nproc=...)``: any script, with each rank's output and stacks
 - ``lablib.jobs.supervisor`` the one loop that watches processes: output, deadline, stopping every process
+- ``lablib.jobs.outcome``   what a run gives back: ``RunResult``, ``ScriptRun``, the errors and how a failure is read
 - ``lablib.jobs.processes`` the launcher-rank contract (run folder, logs, errors by restart attempt, deliberate kills)
 - ``lablib.jobs.multinode`` a step across machines: the torchrun command each node runs (``launchers/multinode``,
                             ``launchers/slurm.sbatch``), and several nodes on this machine (a node leaves or joins)

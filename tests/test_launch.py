@@ -336,6 +336,19 @@ def test_a_released_stub_is_refused_before_anything_starts(tmp_path, monkeypatch
     assert time.monotonic() - t0 < 5, "a stub is found before torchrun starts"
 
 
+def test_only_nbgraders_bare_stub_is_unwritten(tmp_path):
+    # A student's own NotImplementedError with a message (an abstract helper, a refused case) is written code:
+    # refusing to start would cost a correct answer its points.
+    from lablib.jobs import exercise
+
+    path = tmp_path / "buckets_impl.py"
+    path.write_text("def stub(x):\n    \"\"\"Doc.\"\"\"\n    # YOUR CODE HERE\n    raise NotImplementedError()\n\n\n"
+                    "def bare(x):\n    raise NotImplementedError\n\n\n"
+                    "class Base:\n    def hook(self, param):\n        raise NotImplementedError('subclasses say when')\n\n\n"
+                    "def refuse(x):\n    raise NotImplementedError(f'{x} ranks: not supported')\n")
+    assert exercise.unwritten(path) == ["stub", "bare"]
+
+
 def test_a_not_implemented_error_on_the_ranks_gets_a_hint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "accum_impl.py").write_text(

@@ -41,7 +41,8 @@ def test_it_holds_the_labs_and_what_runs_them_and_nothing_else(built):
 SHIPPED_MODULES = {
     "lablib": ["__init__", "checks"],
     "lablib/course": ["__init__", "commcost", "data", "models", "plots", "scaling", "training"],
-    "lablib/jobs": ["__init__", "config", "distenv", "exercise", "launch", "multinode", "processes", "script", "supervisor"],
+    "lablib/jobs": ["__init__", "config", "distenv", "exercise", "launch", "multinode", "outcome", "processes", "script",
+                    "supervisor"],
     "lablib/measure": ["__init__", "benchmark", "c10d_ops", "collective_log", "counting", "memory", "p2p", "rankcheck",
                        "timing"],
     "lablib/parallel": ["__init__", "activation_checkpointing", "checkpointing", "pipeline", "tensor_parallel"],

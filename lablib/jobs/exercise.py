@@ -36,8 +36,10 @@ def load_module(path: str, required: tuple[str, ...] = ()) -> ModuleType:
 
 def unwritten(path: str | Path) -> list[str]:
     """The functions (and methods) of an exercise module that are still stubs: their body, after a docstring,
-    is only ``raise NotImplementedError(...)`` (what a released notebook's exercise cell holds). Read from the
-    source without running it; a file that does not parse is left to the import to report."""
+    is only nbgrader's stub, ``raise NotImplementedError()`` with no message (what a released notebook's
+    exercise cell holds). A student's own ``raise NotImplementedError("...")`` (an abstract helper, a refused
+    case) is code they wrote, not a stub. Read from the source without running it; a file that does not parse
+    is left to the import to report."""
     import ast
 
     try:
@@ -51,7 +53,9 @@ def unwritten(path: str | Path) -> list[str]:
                                      and isinstance(node.body[0].value, ast.Constant)
                                      and isinstance(node.body[0].value.value, str)) else node.body
             if len(body) == 1 and isinstance(body[0], ast.Raise) and body[0].exc is not None:
-                exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
-                if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
+                exc = body[0].exc
+                bare = not isinstance(exc, ast.Call) or (not exc.args and not exc.keywords)
+                name = exc.func if isinstance(exc, ast.Call) else exc
+                if bare and isinstance(name, ast.Name) and name.id == "NotImplementedError":
                     stubs.append(node.name)
     return stubs

@@ -19,7 +19,8 @@ What it guarantees, because a notebook must never hang or leak processes:
 - when a rank fails, ``RunError`` carries that rank's traceback (the first rank to fail, the root cause, in
   the last attempt when torchrun restarted the group); a rank killed by a signal that nothing in the course
   recorded sending (``processes.record_deliberate_kill``) is ``RankKilledError``, the machine's failure.
-The watching (output, deadline, stopping every process) is ``lablib.jobs.supervisor``'s, shared with multinode.
+The watching (output, deadline, stopping every process) is ``lablib.jobs.supervisor``'s, shared with multinode;
+the results and errors, and how a failure is read, are ``lablib.jobs.outcome``'s.
 """
 
 from __future__ import annotations
@@ -27,45 +28,18 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from lablib.jobs import config as cfg
-from lablib.jobs import exercise, processes, supervisor
+from lablib.jobs import exercise, outcome, processes, supervisor
+from lablib.jobs.outcome import (STACK_DUMP_MARKER, PortInUseError, RankKilledError,  # noqa: F401 - interface
+                                 RunError, RunResult, RunTimeout, ScriptRun)
 from lablib.jobs.processes import RUN_MARKER, kill_run  # noqa: F401 - part of this module's interface
-
-
-class RunError(RuntimeError):
-    """A torchrun step failed. ``rank`` is the failing rank (or None), ``details`` its traceback/log."""
-
-    def __init__(self, message: str, rank: int | None = None, details: str = ""):
-        super().__init__(message + (f"\n\n{details}" if details else ""))
-        self.rank = rank
-        self.details = details
-
-
-class RunTimeout(RunError):
-    """The step ran past its timeout; all of its processes were killed."""
-
-
-class RankKilledError(RunError):
-    """A rank was killed by a signal (``signal``, e.g. "SIGABRT") instead of failing with a Python exception:
-    a death from outside the code the rank ran (the machine, a library, the operating system). Grading
-    reports cells that fail this way as lost to the infrastructure, not as wrong answers."""
-
-    def __init__(self, message: str, rank: int | None, details: str, signal: str):
-        super().__init__(message, rank, details)
-        self.signal = signal
-
-
-class PortInUseError(RunError):
-    """The explicitly requested rendezvous port is taken."""
 
 
 def available_steps() -> list[str]:
@@ -94,82 +68,11 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _tail(text: str, n: int = 30) -> str:
-    return "\n".join(text.rstrip().splitlines()[-n:])
-
-
-def _hint(details: str) -> str:
-    if "NotImplementedError" in details:
-        return ("Hint: your exercise code still raises NotImplementedError. Fill in the exercise cell, "
-                "run it again (it rewrites the module file), then re-run this step.")
-    if "Timeout" in details or "timed out" in details:
-        return ("Hint: a collective waited for a rank that never joined. Check that every rank calls the "
-                "same collectives in the same order (no rank-dependent branch around a collective).")
-    return ""
-
-
-class RunResult(Mapping):
-    """Rank 0's JSON result, read-only, by key or by attribute: ``r.metrics.ddp`` is ``r["metrics"]["ddp"]``.
-
-    JSON can only have string keys; keys that are decimal integers (world sizes, ranks, steps) come back as
-    ints, so ``r.metrics.runs[2]`` works. Nested objects are RunResults, lists stay lists. ``output`` is what
-    rank 0 printed.
-    """
-
-    def __init__(self, data: Mapping, output: str = ""):
-        self._data = {_key(k): _wrap(v) for k, v in data.items()}
-        self.output = output
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self._data[name]
-        except KeyError:
-            raise AttributeError(f"this result has no {name!r}; it has {sorted(map(str, self._data))}") from None
-
-    def __repr__(self) -> str:
-        return f"RunResult({self.to_dict()!r})"
-
-    def to_dict(self) -> dict:
-        """Plain nested dicts and lists (e.g. to save with json)."""
-        return {k: _unwrap(v) for k, v in self._data.items()}
-
-
-def _key(k):
-    return int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k
-
-
-def _wrap(v):
-    if isinstance(v, Mapping):
-        return RunResult(v)
-    if isinstance(v, list):
-        return [_wrap(x) for x in v]
-    return v
-
-
-def _unwrap(v):
-    if isinstance(v, RunResult):
-        return v.to_dict()
-    if isinstance(v, list):
-        return [_unwrap(x) for x in v]
-    return v
-
-
 class ExerciseNotWrittenError(NotImplementedError):
     """A step was asked to run an exercise module whose functions are still the released stubs."""
 
 
-def _refuse_unwritten_exercises(config) -> None:
+def refuse_unwritten_exercises(config) -> None:
     """Before anything starts: an exercise module file (an option naming an existing .py file) whose functions
     still raise NotImplementedError would only fail on every rank a few seconds later."""
     for name, value in vars(config).items():
@@ -182,7 +85,7 @@ def _refuse_unwritten_exercises(config) -> None:
                     f"the file), then run this cell again. Nothing was started.")
 
 
-def _rank_environment(run_id: str, run_dir: Path, timeout_s: float, threads: int, extra: Mapping | None) -> dict:
+def rank_environment(run_id: str, run_dir: Path, timeout_s: float, threads: int, extra: Mapping | None) -> dict:
     """The ranks' environment: the caller's, the launcher-rank contract, and the caller's extra variables."""
     env = {**os.environ, RUN_MARKER: run_id, processes.RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1",
            processes.PG_TIMEOUT_ENV: f"{processes.rank_timeout_s(timeout_s):g}",
@@ -195,7 +98,7 @@ def _rank_environment(run_id: str, run_dir: Path, timeout_s: float, threads: int
     return env
 
 
-def _check_launcher_options(nproc, timeout_s) -> None:
+def check_launcher_options(nproc, timeout_s) -> None:
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer number of ranks, got {nproc!r}")
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -222,14 +125,14 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
                         f"threads_per_rank, port, quiet, show_progress, env, max_restarts)")
     if options is not None and not isinstance(options, Mapping):
         raise TypeError(f"options must be a mapping of the step's options (a dict), got {type(options).__name__}")
-    _check_launcher_options(nproc, timeout_s)
+    check_launcher_options(nproc, timeout_s)
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a whole number of restarts, 0 or more, got {max_restarts!r}")
     module = load_step(step)
     config = cfg.from_options(module.Config, dict(options or {}))
     if hasattr(config, "validate_world"):
         config.validate_world(nproc)
-    _refuse_unwritten_exercises(config)
+    refuse_unwritten_exercises(config)
     if port is not None and not port_is_free(port):
         raise PortInUseError(f"port {port} on 127.0.0.1 is already in use (another notebook's run, or "
                              f"another program). Leave port=None to let torchrun pick a free port, or "
@@ -253,48 +156,24 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
         try:
             # torchrun's own messages (agent logs, its failure summary) go to a file: the notebook gets rank 0's
             # stdout live, and on failure the failing rank's traceback, not three screens of launcher noise.
-            run.start(cmd, _rank_environment(run.run_id, run.run_dir, timeout_s, threads, env), marker=run.run_id)
+            run.start(cmd, rank_environment(run.run_id, run.run_dir, timeout_s, threads, env), marker=run.run_id)
             for _ in run.lines():
                 pass
             if run.timed_out:
                 failure = processes.first_failure(run.run_dir)
                 raise RunTimeout(
                     f"step {step!r} on {nproc} ranks ran past its timeout of {timeout_s:.0f} s; all of its "
-                    f"processes were stopped. Last output of rank 0:\n{_tail(run.output(), 15)}",
-                    failure.rank, failure.details or _hint("timed out"))
+                    f"processes were stopped. Last output of rank 0:\n{outcome.tail(run.output(), 15)}",
+                    failure.rank, failure.details or outcome.hint("timed out"))
             rc = run.wait()
             if rc != 0:
-                raise _failure(step, nproc, rc, run.run_dir, run.output())
+                raise outcome.failure_error(step, nproc, rc, run.run_dir, run.output())
             if not out.exists():
-                raise RunError(f"step {step!r} finished but wrote no result JSON", None, _tail(run.output()))
+                raise RunError(f"step {step!r} finished but wrote no result JSON", None, outcome.tail(run.output()))
             return RunResult(json.loads(out.read_text()), run.output())
         finally:
             if bar is not None:
                 bar.close()
-
-
-@dataclass(frozen=True)
-class ScriptRun:
-    """How a script run by ``run_script`` ended. Nothing is raised for a script that fails or hangs.
-
-    returncode   torchrun's exit code (0: every rank finished), None when the run was stopped by its timeout
-    timed_out    the run passed ``timeout_s`` and was stopped
-    output       rank 0's stdout and stderr
-    rank_output  every rank's stdout and stderr, by rank
-    stacks       on a timeout, the Python stack of every thread of each rank still running, dumped by
-                 faulthandler just before the run was stopped (which line each rank was stuck on)
-    elapsed_s    wall-clock seconds
-    """
-
-    returncode: int | None
-    timed_out: bool
-    output: str
-    rank_output: dict
-    stacks: dict
-    elapsed_s: float
-
-
-STACK_DUMP_MARKER = "Fatal Python error: Aborted"
 
 
 def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: float = 60.0,
@@ -312,10 +191,10 @@ def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: flo
     if not script_path.is_file():
         raise FileNotFoundError(f"script {path} does not exist (looked for {script_path}); run the cell that "
                                 f"writes it (%%writefile {Path(path).name}) first")
-    _check_launcher_options(nproc, timeout_s)
+    check_launcher_options(nproc, timeout_s)
     args = [str(a) for a in args]
     with supervisor.Supervisor(timeout_s, prefix=f"lablib-script-{script_path.stem}-") as run:
-        rank_env = _rank_environment(run.run_id, run.run_dir, timeout_s, default_threads_per_rank(nproc),
+        rank_env = rank_environment(run.run_id, run.run_dir, timeout_s, default_threads_per_rank(nproc),
                                      {"PYTHONFAULTHANDLER": "1", **(env or {})})
         rank_env.pop(processes.RUN_DIR_ENV)   # the script keeps its own stdout and stderr (torchrun files them)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -326,10 +205,10 @@ def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: flo
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out, returncode = True, None
-            _dump_stacks(proc, run.run_id)
+            outcome.dump_stacks(proc, run.run_id)
             run.stop()
         elapsed = time.monotonic() - t0
-        rank_output = _rank_logs(run.run_dir / "logs")
+        rank_output = outcome.rank_logs(run.run_dir / "logs")
     stacks = {}
     if timed_out:
         for rank, text in rank_output.items():
@@ -342,57 +221,6 @@ def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: flo
                "finished" if returncode == 0 else f"failed (torchrun exit code {returncode})")
         print(f"{script_path.name} on {nproc} ranks {how} in {elapsed:.1f} s")
     return result
-
-
-def _dump_stacks(proc: subprocess.Popen, run_id: str, wait_s: float = 3.0) -> None:
-    """SIGABRT to every rank of the run (faulthandler, enabled by PYTHONFAULTHANDLER, prints each thread's
-    Python stack to the rank's stderr), then a short wait for the dumps to be written."""
-    workers = [p for p in processes.run_processes(proc, run_id) if p.pid != proc.pid and _is_rank(p)]
-    for p in workers:
-        try:
-            p.send_signal(signal.SIGABRT)
-        except Exception:  # noqa: BLE001 - it may have ended meanwhile
-            pass
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and any(p.is_running() and p.status() != "zombie" for p in workers):
-        time.sleep(0.05)
-
-
-def _is_rank(p) -> bool:
-    try:
-        return "LOCAL_RANK" in p.environ()
-    except Exception:  # noqa: BLE001 - gone, or not ours to read
-        return False
-
-
-def _rank_logs(log_dir: Path) -> dict:
-    """torchrun's --log-dir with --redirects: <run id>/attempt_<k>/<local rank>/{stdout,stderr}.log."""
-    out: dict[int, str] = {}
-    for folder in sorted(log_dir.glob("*/attempt_*/*")):
-        if folder.is_dir() and folder.name.isdigit():
-            parts = [(folder / name).read_text(errors="replace") for name in ("stdout.log", "stderr.log")
-                     if (folder / name).exists()]
-            out[int(folder.name)] = "".join(parts)
-    return out
-
-
-def _failure(step: str, nproc: int, rc: int, run_dir: Path, output: str) -> RunError:
-    failure = processes.first_failure(run_dir)
-    if failure.signal:
-        return RankKilledError(
-            f"step {step!r} on {nproc} ranks failed: rank {failure.rank} was killed by {failure.signal}, not by "
-            f"an exception in the code it ran. This is the machine's doing (a library abort, the out-of-memory "
-            f"killer, a crash), not an error in your answer: run the cell again. When grading, this cell's "
-            f"points were lost to the infrastructure.", failure.rank, failure.details, failure.signal)
-    where = f"rank {failure.rank} raised an error" if failure.rank is not None else f"torchrun exited with code {rc}"
-    if failure.attempt:
-        where += (f" on attempt {failure.attempt} (torchrun restarted the group {failure.attempt} time"
-                  f"{'s' if failure.attempt > 1 else ''}; this is the last attempt's error)")
-    earlier = "".join(f"\n  {line}" for line in failure.earlier)
-    earlier = f"\nThe earlier attempts failed first:{earlier}" if earlier else ""
-    hint = _hint(failure.details)
-    return RunError(f"step {step!r} on {nproc} ranks failed: {where}." + earlier + (f"\n{hint}" if hint else ""),
-                    failure.rank, failure.details or _tail(output))
 
 
 def _update_bar(bar, event: dict, step: str):

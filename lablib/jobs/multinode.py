@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lablib.jobs import config as cfg
-from lablib.jobs import launch, processes, supervisor
+from lablib.jobs import launch, outcome, processes, supervisor
 
 # torch 2.13: without this, a node that joins a running job waits forever (see the module docstring).
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -133,7 +133,7 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
     min_nodes = nodes if min_nodes is None else _positive("min_nodes", min_nodes)
     if min_nodes > nodes:
         raise ValueError(f"min_nodes={min_nodes} is more than nodes={nodes}")
-    launch._check_launcher_options(nproc_per_node, timeout_s)
+    launch.check_launcher_options(nproc_per_node, timeout_s)
     if leave is not None:
         if not (isinstance(leave, tuple) and len(leave) == 2 and isinstance(leave[0], int)
                 and isinstance(leave[1], str) and leave[1]):
@@ -157,7 +157,7 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
     config = cfg.from_options(module.Config, dict(options or {}))
     if hasattr(config, "validate_world"):
         config.validate_world(nodes * nproc_per_node)
-    launch._refuse_unwritten_exercises(config)
+    launch.refuse_unwritten_exercises(config)
 
     threads = launch.default_threads_per_rank(nodes * nproc_per_node)
     port = free_port()
@@ -170,7 +170,7 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
                                        nproc_per_node=nproc_per_node, rdzv_endpoint=f"127.0.0.1:{port}",
                                        rdzv_id=run.run_id, out=str(out), max_restarts=max_restarts,
                                        rdzv_conf={**RDZV_CONF, "is_host": "true" if i == 0 else "false"})
-            env_i = launch._rank_environment(markers[i], run.run_dir, timeout_s, threads, {**AGENT_ENV, **(env or {})})
+            env_i = launch.rank_environment(markers[i], run.run_dir, timeout_s, threads, {**AGENT_ENV, **(env or {})})
             run.start(command, env_i, marker=markers[i], key=i,
                       log=processes.TORCHRUN_LOG if i == 0 else f"torchrun-node{i}.txt")
 
@@ -195,23 +195,23 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
         if run.timed_out:
             raise launch.RunTimeout(
                 f"step {step!r} on {nodes} nodes x {nproc_per_node} ran past its timeout of {timeout_s:.0f} s; "
-                f"every process of every node was stopped. Last output:\n{launch._tail(run.output(), 15)}", None, "")
+                f"every process of every node was stopped. Last output:\n{outcome.tail(run.output(), 15)}", None, "")
         if join is not None and joined_s is None:
             raise launch.RunError(f"no rank printed a line containing {join[1]!r}, so node {join[0]} never joined; "
-                                  f"check the marker against the step's output", None, launch._tail(run.output()))
+                                  f"check the marker against the step's output", None, outcome.tail(run.output()))
         codes = [run.wait(i) for i in range(nodes)]
         elapsed = run.elapsed_s()
         agents = [{"returncode": c, "left": leave is not None and i == leave[0], "output": run.output(i)}
                   for i, c in enumerate(codes)]
         if leave is not None and left_s is None:
             raise launch.RunError(f"no rank printed a line containing {leave[1]!r}, so node {leave[0]} never left; "
-                                  f"check the marker against the step's output", None, launch._tail(run.output()))
+                                  f"check the marker against the step's output", None, outcome.tail(run.output()))
         bad = [(i, c) for i, c in enumerate(codes) if c != 0 and not agents[i]["left"]]
         if bad:
-            raise launch._failure(step, nodes * nproc_per_node, bad[0][1], run.run_dir, run.output())
+            raise outcome.failure_error(step, nodes * nproc_per_node, bad[0][1], run.run_dir, run.output())
         if not out.exists():
             raise launch.RunError(f"step {step!r} finished on {nodes} nodes but wrote no result JSON", None,
-                                  launch._tail(run.output()))
+                                  outcome.tail(run.output()))
         return NodesResult(json.loads(out.read_text()), run.output(), agents, left_s, joined_s, elapsed)
 
 
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _positive("--max-restarts", args.max_restarts, 0)
         module = launch.load_step(args.step)
         config = cfg.from_argv(module.Config, step_argv)     # a typo fails here, on the node, before torchrun
-        launch._refuse_unwritten_exercises(config)
+        launch.refuse_unwritten_exercises(config)
     except (ValueError, TypeError, OSError, cfg.ConfigError, launch.RunError, NotImplementedError) as e:
         print(f"[multinode] {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ stopped when the run ends, however it ends (finished, failed, timed out, Ctrl-C 
 ``launch.run`` watches one torchrun, ``multinode.run_nodes`` one torchrun agent per node; both through this:
 
     with Supervisor(timeout_s, prefix="lablib-hello-", quiet=quiet) as run:
-        run.start(command, env, marker=run.run_id)        # env carries RUN_MARKER=marker (launch._rank_environment)
+        run.start(command, env, marker=run.run_id)        # env carries RUN_MARKER=marker (launch.rank_environment)
         for key, line in run.lines():                    # each line, as it comes, already echoed and kept
             ...                                          # (run_nodes starts or kills a node here)
         if run.timed_out:                                # every process is stopped already
