@@ -40,14 +40,21 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.parallel.tensor_parallel`` the students' classes, DTensor's ``parallelize_module`` and a 2-D mesh with FSDP2
 - ``lablib.parallel.checkpointing``   lab 10's resumable run (global sampler, per-rank RNG, faults, DCP)
 - ``lablib.parallel.activation_checkpointing``  activation checkpointing applied to a plain model
+- ``lablib.parallel.zero_states``     the model-state setups labs 04 and 07 count (DDP, ZeroRedundancyOptimizer, FSDP2)
 
 ``lablib.probes``: observers of the students' code behind the visible checks (properties, never an answer)
 - ``lablib.probes.rehearsal``       ranks as threads of this process: collectives rehearsed in a second before torchrun
 - ``lablib.probes.ring_rehearsal``  lab 02's ring rehearsed on threads (sends and receives matched as gloo matches them)
 - ``lablib.probes.gpt_migration``   lab 05's exercise code on the ranks
 - ``lablib.probes.ddp``             lab 06's DDP classes on the ranks
-- ``lablib.probes.zero``            lab 07's ZeRO-1 and ZeRO-2 (vs AdamW, bytes each rank holds)
-- ``lablib.probes.zero3``           lab 07's ZeRO-3 (gathered per block, vs AdamW and FSDP2)
+- ``lablib.probes.zero``            lab 07's ZeRO-1 and ZeRO-2 (vs AdamW, bytes each rank holds, collectives)
+- ``lablib.probes.zero3``           lab 07's ZeRO-3 (gathered per block in both passes, vs AdamW and FSDP2)
+- ``lablib.probes.zero3_cases``     lab 07's ZeRO-3 cases: models cut into units, batches, FSDP2 on the same data
+- ``lablib.probes.zero_cases``      lab 07's test models, batches, optimizer settings and lr schedule
+- ``lablib.probes.zero_held``       what a rank holds under lab 07's classes, counted from storages
+- ``lablib.probes.zero_comm``       the collectives lab 07's classes call, recorded on thread or torchrun ranks
+- ``lablib.probes.zero_checks``     the checks ZeRO-2 and ZeRO-3 share (gradient tap, mean and its rounding bound)
+- ``lablib.probes.zero_lab04``      lab 04's ``bytes_per_rank`` as the reader wrote it, for lab 07
 - ``lablib.probes.tensor_parallel`` lab 08's f and g, MLP and attention
 - ``lablib.probes.pipeline``        lab 09's pipeline engine (order, timeline, saved bytes, who waited on whom)
 - ``lablib.probes.fault_tolerance`` lab 10's resumed runs

@@ -1,5 +1,6 @@
-"""Lab 07's probe (lablib.probes.zero) and its run scripts' configs: what a rank holds, counted from storages,
-the graded checks on hand-made results, lab 04's formula loaded from its notebook. No torchrun start here (the
+"""Lab 07's probes (lablib.probes.zero, zero3 and the modules they share) and its run scripts' configs: what a rank
+holds, counted from storages, the collectives recorded on thread ranks, the graded checks on hand-made results,
+lab 04's formula loaded from its notebook. No torchrun start here (the
 lab's own tests run them); the optimizers below are the test's own, not the exercise's answer.
 """
 
@@ -10,8 +11,11 @@ import torch
 
 from lablib.jobs import config as cfg
 from lablib.measure import memory
-from lablib.probes import zero as zero_probes
+from lablib.probes import zero as zero_probes, zero3 as zero3_probes, zero_held
+from lablib.probes.zero_lab04 import lab04_bytes_per_rank
 from lablib.runs import zero_scratch, zero_stages
+
+SOLUTIONS = __import__("pathlib").Path(__file__).resolve().parents[1] / "solutions"
 
 
 class _StateUnderAnOddName:
@@ -27,10 +31,10 @@ def test_held_bytes_finds_state_wherever_it_is_kept():
     holder = _StateUnderAnOddName(model.parameters())
     model(torch.ones(2, 10)).sum().backward()
     holder.inner["x"][0].step()
-    held = zero_probes.held_bytes(model, holder)
+    held = zero_held.held_bytes(model, holder)
     assert held["params"] == 55 * 4
     assert held["grads"] == 55 * 4
-    assert held["optimizer"] == zero_probes.adamw_state_bytes(model.parameters()) + 400
+    assert held["optimizer"] == zero_held.adamw_state_bytes(model.parameters()) + 400
     assert held["total"] == held["params"] + held["grads"] + held["optimizer"]
 
 
@@ -43,13 +47,13 @@ def test_held_bytes_counts_a_view_once_and_a_shard_gradient_as_a_gradient():
         offset += p.numel()
     shard = torch.nn.Parameter(flat[6:12])
     shard.grad = torch.ones(6)
-    held = zero_probes.held_bytes(model, {"shard": shard, "flat": flat})
+    held = zero_held.held_bytes(model, {"shard": shard, "flat": flat})
     assert held == {"params": 48, "grads": 24, "optimizer": 0, "total": 72}
 
 
 def _zero1_result(state_per_rank, world_size=2):
     sizes = [8 * 1024 + 4] * 6 + [8 * 32 + 4] * 6
-    return {"case": "mlp", "world_size": world_size, "steps": 10, "error": None, "is_optimizer": True,
+    return {"case": "mlp", "world_size": world_size, "steps": 10, "error": None, "is_optimizer": True, "element_size": 4,
             "param_groups": [{"n_params": 12}], "reference_groups": [{"n_params": 12}], "steps_not_bit_equal": [],
             "full_state_bytes": sum(sizes), "param_state_bytes": sizes,
             "held_per_rank": [{"optimizer": s} for s in state_per_rank]}
@@ -64,10 +68,14 @@ def test_zero1_checks_pass_a_balanced_sharding_and_reject_round_robin_and_replic
         zero_probes.check_probe(_zero1_result([total, total]), "zero1")
 
 
-def test_lab04_formula_is_lab04s_notebook_cell():
-    bytes_per_rank, where = zero_probes.lab04_bytes_per_rank()
+def test_lab04_formula_is_lab04s_notebook_cell_beside_lab07_never_a_solutions_path(tmp_path):
+    bytes_per_rank, where = lab04_bytes_per_rank(SOLUTIONS / "07_zero_from_scratch")   # the notebook's folder
     assert bytes_per_rank is not None, where
     assert where.endswith("04_zero_memory.ipynb")
+    lab07 = tmp_path / "07_zero_from_scratch"        # a student's folder with no lab 04 beside it: labs/ only
+    lab07.mkdir()
+    bytes_unwritten, why = lab04_bytes_per_rank(lab07)
+    assert bytes_unwritten is None and "/solutions/" not in why, why
     phi = 208_320
     assert [bytes_per_rank(phi, 4, s, memory.FP32_ADAM) for s in range(4)] == pytest.approx(
         [16 * phi, 10 * phi, 7 * phi, 4 * phi])
@@ -122,38 +130,40 @@ def test_held_bytes_counts_zero3_shards_as_parameters_and_a_freed_buffer_as_noth
     opt = torch.optim.AdamW([shard])
     shard.grad = torch.ones(4)
     opt.step()
-    held = zero_probes.held_bytes(model, {"optimizer": opt}, shards=[shard])
+    held = zero_held.held_bytes(model, {"optimizer": opt}, shards=[shard])
     assert held == {"params": 16, "grads": 16, "optimizer": 36, "total": 68}
 
 
-def _zero3_result(forward_peak, params_at_rest=12_740, **changes):
+def _zero3_result(forward_peak, params_at_rest=12_740, backward_peak=4224, **changes):
+    collectives = {"all_gather": 2 * 4 * 2 * 3185, "reduce_scatter": 4 * 2 * 3185}
     r = {"case": "mlp", "world_size": 2, "steps": 4, "error": None, "n_params": 6369, "n_units": 7,
+         "element_size": 4, "micro_batches": 1, "collectives_per_step": [collectives] * 4,
          "block_bytes": [4224] * 6, "root_bytes": 132, "shard_numel_total": 3185, "expected_shard_numel": 3185,
          "max_abs_grad_diff_vs_mean": 0.0, "max_grad_diff_over_bound": 0.0, "max_abs_grad": 1.0,
          "max_abs_diff_vs_adamw": 0.0, "steps_not_bit_equal": [], "max_abs_weight": 1.0,
          "max_abs_loss_diff_vs_adamw": 0.0, "max_loss_diff_over_bound": 0.0, "loss_rtol": 5e-7,
-         "full_grads_kept_after_step": 0, "forward_peak_per_rank": [forward_peak] * 2,
+         "full_grads_kept_after_step": 0,
+         "gathered_peak_per_rank": [{"forward": forward_peak, "backward": backward_peak}] * 2,
          "held_per_rank": [{"params": params_at_rest, "grads": 12_740, "optimizer": 25_508}] * 2}
     return {**r, **changes}
 
 
 def test_zero3_checks_pass_one_block_at_a_time_and_reject_never_freeing_and_summing():
-    zero_probes.check_probe(_zero3_result(4360), "zero3")
+    zero3_probes.check(_zero3_result(4360))
     with pytest.raises(AssertionError, match="gathered parameter bytes"):     # every block still gathered
-        zero_probes.check_probe(_zero3_result(25_480), "zero3")
+        zero3_probes.check(_zero3_result(25_480))
     with pytest.raises(AssertionError, match="at rest"):                     # never freed after the backward
-        zero_probes.check_probe(_zero3_result(4360, params_at_rest=25_476 + 12_740), "zero3")
+        zero3_probes.check(_zero3_result(4360, params_at_rest=25_476 + 12_740))
     with pytest.raises(AssertionError, match="mean of the ranks' gradients"):     # a sum: 2 x the mean
-        zero_probes.check_probe(_zero3_result(4360, max_abs_grad_diff_vs_mean=0.25, max_grad_diff_over_bound=4e6),
-                                "zero3")
+        zero3_probes.check(_zero3_result(4360, max_abs_grad_diff_vs_mean=0.25, max_grad_diff_over_bound=4e6))
     with pytest.raises(AssertionError, match="bit-for-bit"):                # a shard stepped off by one element
-        zero_probes.check_probe(_zero3_result(4360, steps_not_bit_equal=[0, 1, 2, 3]), "zero3")
+        zero3_probes.check(_zero3_result(4360, steps_not_bit_equal=[0, 1, 2, 3]))
     with pytest.raises(AssertionError, match="gather the block again in before_backward"):
-        zero_probes.check_probe(_zero3_result(4360, error="RuntimeError: setStorage: ... out of bounds for "
-                                                          "storage of size 0"), "zero3")
+        zero3_probes.check(_zero3_result(4360, error="RuntimeError: setStorage: ... out of bounds for "
+                                                          "storage of size 0"))
     with pytest.raises(AssertionError, match="FSDP2"):
-        zero_probes.check_probe(_zero3_result(4360, losses=[1.0], fsdp2_losses=[1.1],
-                                              max_abs_loss_diff_vs_fsdp2=0.1, first_loss_diff_vs_fsdp2=0.1), "zero3")
+        zero3_probes.check(_zero3_result(4360, losses=[1.0], fsdp2_losses=[1.1],
+                                              max_abs_loss_diff_vs_fsdp2=0.1, first_loss_diff_vs_fsdp2=0.1))
 
 
 def test_zero3_cases_are_known_to_the_graded_run_only_for_exercise_3(tmp_path):
@@ -162,3 +172,34 @@ def test_zero3_cases_are_known_to_the_graded_run_only_for_exercise_3(tmp_path):
     cfg.from_options(zero_scratch.Config, {"impl": str(impl), "exercise": "zero3", "runs": ("2:mlp", "3:gpt")})
     with pytest.raises(ValueError, match="known cases"):
         cfg.from_options(zero_scratch.Config, {"impl": str(impl), "exercise": "zero1", "runs": ("3:gpt",)})
+
+
+def test_zero3_checks_reject_freeing_only_in_step_and_other_collectives():
+    with pytest.raises(AssertionError, match="in the backward"):     # every block kept until step()
+        zero3_probes.check(_zero3_result(4360, backward_peak=25_480))
+    all_reduce = {"all_gather": 2 * 4 * 2 * 3185, "all_reduce": 4 * 6369}    # all-reduce, then keep a slice
+    with pytest.raises(AssertionError, match="collectives your class called"):
+        zero3_probes.check(_zero3_result(4360, collectives_per_step=[all_reduce] * 4))
+    broadcasts = {"broadcast": 2 * 4 * 2 * 3185, "reduce_scatter": 4 * 2 * 3185}   # N broadcasts per gather
+    with pytest.raises(AssertionError, match="collectives your class called"):
+        zero3_probes.check(_zero3_result(4360, collectives_per_step=[broadcasts] * 4))
+
+
+def test_recording_on_thread_ranks_names_and_sizes_what_the_class_calls_and_nothing_of_the_probes():
+    import torch.distributed as dist
+
+    from lablib.measure.collective_log import CollectiveLog
+    from lablib.probes import zero_comm
+
+    def step(rank):
+        log = CollectiveLog()
+        dist.all_reduce(torch.ones(5))                       # the probe's own: not recorded
+        with zero_comm.recording(log):
+            shard = torch.empty(3)
+            dist.reduce_scatter_tensor(shard, torch.ones(6))
+            dist.all_gather_into_tensor(torch.empty(6), shard)
+            dist.broadcast(torch.ones(7, dtype=torch.float64), src=0)
+        return zero_comm.bytes_by_kind(log)
+
+    assert zero_comm.run_in_thread_ranks(2, step) == [{"reduce_scatter": 24, "all_gather": 24, "broadcast": 56}] * 2
+    assert zero_comm.bus_ratio_to_ddp({"reduce_scatter": 24, "all_gather": 24}, 24, 2) == 1.0

@@ -24,108 +24,48 @@ at most one block beside the root's (the root's module is the model itself, so i
 
 from __future__ import annotations
 
-import threading
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from lablib import checks
-from lablib.probes.ddp import default_group
+from lablib.measure.collective_log import CollectiveLog
 from lablib.measure.memory import unique_storage_bytes
-from lablib.course.models import GPT, GPTConfig
-from lablib.measure.rankcheck import (FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects,
-                                      mean_gradient_and_abs_sum, mean_rounding_bound)
-from lablib.probes.zero import (CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build, check_gradient_then_update,
-                                error_in_impl, gather_shards, held_bytes)
+from lablib.measure.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects
+from lablib.probes.ddp import default_group
+from lablib.probes.zero_cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, error_in_impl, micro_batches
+from lablib.probes.zero_checks import GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound
+from lablib.probes.zero_comm import bytes_by_kind, check_bus_ratio, check_collectives, recording, rehearse_with
+from lablib.probes.zero_held import gather_shards, held_bytes
 
-GPT_CASE = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)   # 28,576 parameters; padding at N = 3
-CASES = ("mlp", "uneven", "gpt")
-_SEEDED = threading.Lock()           # the rehearsal's ranks are threads sharing torch's global generator
-
-
-def build_case(case: str, seed: int):
-    """(model, blocks): the same initial weights on every rank. A block is a unit of ZeRO-3; the model's other
-    parameters (GPT: embeddings, final norm, tied head; the stack: its head) are the root's."""
-    if case == "gpt":
-        with _SEEDED:
-            torch.manual_seed(seed)
-            model = GPT(GPT_CASE)
-        return model, list(model.h)
-    model = build(STACK_CASES[case], seed)
-    return model, list(model.layers)
+from lablib.probes.zero3_cases import CASES, build_case, fsdp2_losses, loss_of, mean_over_ranks, my_batch  # noqa: F401
 
 
-def my_batch(case: str, step: int, rank: int, world_size: int, per_rank: int, seed: int):
-    """This rank's rows of the step's global batch (world_size * per_rank samples)."""
-    if case == "gpt":   # random tokens: the losses are compared, not learned (and no text to load on every rank)
-        g = torch.Generator().manual_seed(seed * 1000 + step)
-        tokens = torch.randint(GPT_CASE.vocab_size, (world_size * per_rank, GPT_CASE.block_size + 1), generator=g)
-        mine = tokens[rank * per_rank:(rank + 1) * per_rank]
-        return mine[:, :-1], mine[:, 1:]                      # (per_rank, block_size): inputs, next tokens
-    x, y = batch(STACK_CASES[case], step, world_size * per_rank, seed)   # the course's regression task
-    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-
-
-def loss_of(model, case: str, x, y) -> torch.Tensor:
-    return model(x, y)[1] if case == "gpt" else F.mse_loss(model(x), y)
-
-
-def mean_over_ranks(value: float, world_size: int, device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)   # on the rank's device: NCCL needs it there
-    if world_size > 1:
-        dist.all_reduce(t)
-    return t.item() / world_size
-
-
-class ForwardMeter:
+class GatheredMeter:
     """The largest bytes of gathered parameters (the model's parameter storages: freed ones count 0) seen before
-    and after any module's forward. Registered after the student's hooks, so it sees what they leave."""
+    and after any module's forward, and in the backward each time a parameter's gradient is complete. Registered
+    after the student's hooks, so it sees what they leave: a block still gathered while a later one runs (in
+    either pass) shows here."""
 
     def __init__(self, model):
-        self.model, self.peak, self.handles = model, 0, []
+        self.model, self.peak, self.handles = model, {"forward": 0, "backward": 0}, []
+        self.phase = "forward"
 
     def sample(self, *_):
-        self.peak = max(self.peak, unique_storage_bytes(self.model.parameters()))
+        self.peak[self.phase] = max(self.peak[self.phase], unique_storage_bytes(self.model.parameters()))
 
     def __enter__(self):
         for m in self.model.modules():
             self.handles += [m.register_forward_pre_hook(self.sample), m.register_forward_hook(self.sample)]
+        for p in self.model.parameters():
+            self.handles.append(p.register_post_accumulate_grad_hook(self.sample))
         return self
 
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
         return False
-
-
-def fsdp2_losses(case: str, env, group, steps: int, per_rank: int, seed: int) -> list[float]:
-    """FSDP2 (``fully_shard`` on every block, then the root) on the same batches from the same weights."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = env.device.type
-    mesh = DeviceMesh.from_group(group, device) if group is not None else init_device_mesh(device, (world_size,))
-    model, blocks = build_case(case, seed)
-    model.to(env.device)
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses = []
-    for step in range(steps):
-        x, y = my_batch(case, step, rank, world_size, per_rank, seed)
-        opt.zero_grad()
-        loss = loss_of(model, case, x.to(env.device), y.to(env.device))
-        loss.backward()
-        opt.step()
-        t = loss.detach().double().reshape(1)
-        dist.all_reduce(t, group=group)
-        losses.append(t.item() / world_size)
-    return losses
 
 
 def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, seed: int = 0,
@@ -136,19 +76,25 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
     model, blocks = build_case(case, seed)
     reference, _ = build_case(case, seed)
     model.to(env.device), reference.to(env.device)
+    stack = STACK_CASES.get(case)
+    n_micro = stack.micro_batches if stack else 1
+    dtype = next(model.parameters()).dtype
+    elem = next(model.parameters()).element_size()
     ref_params = dict(reference.named_parameters())
     name_of = {id(p): n for n, p in model.named_parameters()}
     n_params = sum(p.numel() for p in model.parameters())
-    block_bytes = [4 * sum(p.numel() for p in b.parameters()) for b in blocks]
-    root_bytes = 4 * n_params - sum(block_bytes)
+    block_bytes = [elem * sum(p.numel() for p in b.parameters()) for b in blocks]
+    root_bytes = elem * n_params - sum(block_bytes)
     # S = ceil(numel / N) per unit (the blocks, then the root's parameters): what a rank holds at rest
-    unit_numels = [b // 4 for b in block_bytes] + ([root_bytes // 4] if root_bytes > 0 else [])
+    unit_numels = [b // elem for b in block_bytes] + ([root_bytes // elem] if root_bytes > 0 else [])
     out = {"case": case, "world_size": world_size, "steps": steps, "error": None, "n_params": n_params,
+           "element_size": elem, "micro_batches": n_micro,
            "n_units": len(unit_numels), "block_bytes": block_bytes, "root_bytes": root_bytes,
-           "expected_shard_numel": sum(-(-u // world_size) for u in unit_numels)}
+           "expected_shard_numel": sum(-(-u // world_size) for u in unit_numels), "collectives_per_step": []}
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, ref_losses, grad_diffs, grad_ratios, diffs, grads_kept, rest, fwd_peaks = [], [], [], [], [], [], [], []
-    mismatch, loss_terms = [], 0
+    ref_list = list(reference.parameters())
+    losses, ref_losses, grad_diffs, grad_ratios, diffs, grads_kept, rest = [], [], [], [], [], [], []
+    fwd_peaks, bwd_peaks, mismatch, loss_terms = [], [], [], 0
     try:
         with default_group(group), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)            # torch 2.13's new names for the collectives
@@ -157,41 +103,51 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             student = impl.ZeRO3(model, blocks, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
             units = student.all_units()
+            tap = GradientTap([p for n, p in model.named_parameters()])   # in ref_params' order
             for step in range(steps):
                 x, y = (t.to(env.device) for t in my_batch(case, step, rank, world_size, per_rank, seed))
-                student.zero_grad()
-                with ForwardMeter(model) as meter:
-                    loss = loss_of(model, case, x, y)
-                fwd_peaks.append(meter.peak)
-                loss.backward()
-                loss_terms = y.numel()           # the float32 mean the loss takes over this rank's targets
-                losses.append(mean_over_ranks(loss.item(), world_size, env.device))
+                log = CollectiveLog()
+                with recording(log):
+                    student.zero_grad()
                 ref_opt.zero_grad()
-                ref_loss = loss_of(reference, case, x, y)
-                ref_loss.backward()
-                ref_losses.append(mean_over_ranks(ref_loss.item(), world_size, env.device))
-                with torch.no_grad():            # the mean gradient, and the sum of |terms| it rounds: one flat each
-                    flat, abs_sum = mean_gradient_and_abs_sum(list(reference.parameters()), world_size)
-                    sizes = [q.numel() for q in reference.parameters()]
+                tap.reset()
+                for mx, my in micro_batches(x, y, stack) if stack else [(x, y)]:
+                    with GatheredMeter(model) as meter, recording(log):
+                        loss = loss_of(model, case, mx, my)
+                        meter.phase = "backward"
+                        loss.backward()
+                    fwd_peaks.append(meter.peak["forward"])
+                    bwd_peaks.append(meter.peak["backward"])
+                    loss_terms = my.numel()          # the float32 mean the loss takes over this rank's targets
+                    losses.append(mean_over_ranks(loss.item(), world_size, env.device))
+                    with torch.no_grad():
+                        ref_losses.append(mean_over_ranks(loss_of(reference, case, mx, my).item(), world_size,
+                                                          env.device))
+                with torch.no_grad():            # the mean gradient, and how far a correct one may be: one flat each
+                    flat, bound_flat = mean_gradient_and_bound(tap, world_size, n_micro, dtype)
+                    sizes = [q.numel() for q in ref_list]
                     mean = dict(zip(ref_params, flat.split(sizes)))
-                    bound = dict(zip(ref_params, mean_rounding_bound(abs_sum, world_size).split(sizes)))
+                    bound = dict(zip(ref_params, bound_flat.split(sizes)))
                     # Each unit's gradient as the student's ranks hold it (the shards, gathered, padding included)
                     # against the mean's same elements (padding: exactly 0); then the reference steps on the
                     # student's own gradient.
                     worst, worst_ratio = 0.0, 0.0
                     for u in units:
                         numel = sum(p.numel() for p in u.params)
-                        got = gather_shards(u.shard.grad, world_size, world_size * u.shard.numel()).to(flat.device)
+                        got = gather_shards(u.shard.grad, world_size, world_size * u.shard.numel()).to(flat.device,
+                                                                                                        flat.dtype)
                         want, allowed = torch.zeros_like(got), torch.zeros_like(got)
                         want[:numel] = torch.cat([mean[name_of[id(p)]] for p in u.params])
                         allowed[:numel] = torch.cat([bound[name_of[id(p)]] for p in u.params])
                         worst = max(worst, (got - want).abs().max().item())
                         worst_ratio = max(worst_ratio, bound_ratio(got - want, allowed))
                         for p, g in zip(u.params, got[:numel].split([p.numel() for p in u.params])):
-                            ref_params[name_of[id(p)]].grad.copy_(g.view_as(p))
+                            ref_params[name_of[id(p)]].grad = g.view_as(p).clone()
                     grad_diffs.append(worst)
                     grad_ratios.append(worst_ratio)
-                student.step()
+                with recording(log):
+                    student.step()
+                out["collectives_per_step"].append(bytes_by_kind(log))
                 ref_opt.step()
                 grads_kept.append(sum(p.grad is not None for p in model.parameters()))
                 held = held_bytes(model, student, shards=[u.shard for u in units])
@@ -200,15 +156,16 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
                     worst, equal = 0.0, True
                     for u in units:
                         want = torch.cat([ref_params[name_of[id(p)]].detach().flatten() for p in u.params])
-                        full = gather_shards(u.shard, world_size, want.numel()).to(want.device)
+                        full = gather_shards(u.shard, world_size, want.numel()).to(want.device, want.dtype)
                         worst = max(worst, (full - want).abs().max().item())
                         equal = equal and torch.equal(full, want)
                     diffs.append(worst)
                     if not equal:
                         mismatch.append(step)
+            tap.remove()
             out["held_per_rank"] = gather_objects(rest[-1], env, group) if world_size > 1 else [rest[-1]]
-            out["forward_peak_per_rank"] = (gather_objects(max(fwd_peaks), env, group) if world_size > 1
-                                            else [max(fwd_peaks)])
+            peaks = {"forward": max(fwd_peaks), "backward": max(bwd_peaks)}
+            out["gathered_peak_per_rank"] = gather_objects(peaks, env, group) if world_size > 1 else [peaks]
         out["shard_numel_total"] = sum(u.shard.numel() for u in units)
         out["losses"], out["reference_losses"] = losses, ref_losses
         out["max_abs_grad_diff_vs_mean"] = max(grad_diffs)
@@ -234,20 +191,26 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
     return out
 
 
+def rehearse(impl, runs) -> list[dict]:
+    """``probe`` for each "world size:case" of runs on ranks that are threads of this process (seconds, before the
+    torchrun run of the same cases; see ``zero_comm.rehearse_with``)."""
+    return rehearse_with(lambda case, env: probe(impl, case, env), runs)
+
+
 def check(r: dict) -> None:
     """The graded checks of one probe result (at any world size); each failure says what and why."""
+    r = r.to_dict() if hasattr(r, "to_dict") else r      # a launch.RunResult: plain lists and dicts to compare
     where = f"ZeRO3 on {r['world_size']} rank(s), case '{r['case']}'"
     error = r["error"] or ""
     freed = "storage of size 0" in error
-    checks.check_true(not error, f"{where}: raised {error}" + (
-        "\n  that is: the backward used a block's parameters while its full buffer was freed" if freed else ""),
-        hint="gather the block again in before_backward: its backward needs its full parameters" if freed else
-             "NotImplementedError: the exercise cell is still the stub (write it and run it); any other error "
-             "names the line of your file it came from")
-    n = r["world_size"]
+    check_ran(r, where, "\n  that is: the backward used a block's parameters while its full buffer was freed" if freed
+              else "", hint="gather the block again in before_backward: its backward needs its full parameters"
+              if freed else None)
+    n, elem, m = r["world_size"], r["element_size"], r["micro_batches"]
     check_gradient_then_update(r, where, "reduce-scatter the block's zero-padded flat gradient, then divide by N (the "
-                               "mean, not the sum); shard r is elements [r*S, (r+1)*S)",
-                               "step only the shards; padding must never shift a real element")
+                               "mean, not the sum); shard r is elements [r*S, (r+1)*S); a second backward before "
+                               "step() adds to the shard's .grad", "step only the shards; padding must never shift "
+                               "a real element")
     checks.check_true(r["max_loss_diff_over_bound"] <= 1.0,
                       f"{where}: with the same weights, your losses against AdamW's in one process: the largest "
                       f"difference ({r['max_abs_loss_diff_vs_adamw']:.3g}) is {r['max_loss_diff_over_bound']:.3g} times "
@@ -260,23 +223,40 @@ def check(r: dict) -> None:
     checks.check_equal(r["full_grads_kept_after_step"], 0, f"{where}: model parameters that still hold a full .grad "
                        f"after step()", hint="once a block's gradients are reduce-scattered, set each p.grad to None")
     shard = r["expected_shard_numel"]        # sum over units of S = ceil(numel / N): 1/N of the model + padding
-    # Storages are counted in whole bytes, so these are equalities: the shards (fp32), their gradients, and AdamW's
+    # The collectives, per step: every unit padded to N S_u elements, all-gathered before its forward and again
+    # before its backward, its gradient reduce-scattered once; m times with m micro-batches.
+    padded = elem * n * shard
+    expected = {"all_gather": 2 * m * padded, "reduce_scatter": m * padded}
+    check_collectives(where, r["collectives_per_step"], expected,
+                      f"expected per forward-backward ({m} per step) two all-gathers and one reduce-scatter of every "
+                      f"unit's padded flat buffer ({r['n_units']} units, {n * shard} elements of {elem} bytes in "
+                      f"all), and nothing else", hint="gather: dist.all_gather_into_tensor into the unit's full "
+                      "buffer (N broadcasts are no all-gather); the gradients: dist.reduce_scatter_tensor (an "
+                      "all-reduce sends twice the bytes)")
+    if m == 1:
+        check_bus_ratio(where, r["collectives_per_step"], elem * r["n_params"], n, 1.5 * n * shard / r["n_params"],
+                        f"the paper's 1.5 x DDP, for padded units: 1.5 x {n * shard} / {r['n_params']}")
+    # Storages are counted in whole bytes, so these are equalities: the shards, their gradients, and AdamW's
     # two moments of them with a 4-byte step per unit.
     for rank, h in enumerate(r["held_per_rank"]):
-        checks.check_equal(h["params"], 4 * shard, f"{where}, rank {rank}: parameter bytes held at rest (between "
+        checks.check_equal(h["params"], elem * shard, f"{where}, rank {rank}: parameter bytes held at rest (between "
                            f"steps): the shards, sum of ceil(numel/{n}) over the {r['n_units']} units = {shard}",
                            hint="free every block's full buffer after its forward and after its backward (resize "
                                 "its storage to 0)")
-        checks.check_equal(h["grads"], 4 * shard, f"{where}, rank {rank}: gradient bytes held after step (the shards' "
-                           f"gradients)", hint="keep only the shard's gradient; no full gradient after the reduce-scatter")
-        checks.check_equal(h["optimizer"], 8 * shard + 4 * r["n_units"],
+        checks.check_equal(h["grads"], elem * shard, f"{where}, rank {rank}: gradient bytes held after step (the "
+                           f"shards' gradients)", hint="keep only the shard's gradient; no full gradient after the "
+                                                       "reduce-scatter")
+        checks.check_equal(h["optimizer"], 2 * elem * shard + 4 * r["n_units"],
                            f"{where}, rank {rank}: optimizer-state bytes (AdamW on the shards: two moments and a step "
                            f"per unit)")
-    # During the forward: the root's parameters (its module is the whole model) and one block at a time.
-    bound = r["root_bytes"] + max(r["block_bytes"]) + 2 * 4 * n         # + each one's padding
-    for rank, peak in enumerate(r["forward_peak_per_rank"]):
-        checks.check_true(peak <= bound,
-                          f"{where}, rank {rank}: gathered parameter bytes seen at a module boundary in the forward: "
-                          f"{peak:,}; at most {bound:,.0f} (the root's {r['root_bytes']:,} + the largest block's "
-                          f"{max(r['block_bytes']):,} + padding; blocks {r['block_bytes']})",
-                          hint="free each block's gathered parameters in its forward hook, after its forward")
+    # While a pass runs: the root's parameters (its module is the whole model) and one block at a time.
+    bound = r["root_bytes"] + max(r["block_bytes"]) + 2 * elem * n         # + each one's padding
+    for rank, peaks in enumerate(r["gathered_peak_per_rank"]):
+        for phase, hint in (("forward", "free each block's gathered parameters in its forward hook, after its "
+                                        "forward"),
+                            ("backward", "free each block once its gradients are reduce-scattered, during the "
+                                         "backward, not in step()")):
+            checks.check_true(peaks[phase] <= bound,
+                              f"{where}, rank {rank}: gathered parameter bytes seen in the {phase}: {peaks[phase]:,}; "
+                              f"at most {bound:,.0f} (the root's {r['root_bytes']:,} + the largest block's "
+                              f"{max(r['block_bytes']):,} + padding; blocks {r['block_bytes']})", hint=hint)

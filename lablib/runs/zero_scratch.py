@@ -6,8 +6,8 @@
 One torchrun start checks several (world size, case) pairs, as lab 06's does: the job has as many processes
 as the largest world size asked for, and for world size n the first n ranks form a group of their own that stands in as the default group while the
 student's class runs (``ddp_probes.default_group``); the other ranks wait at the next barrier. What each rank
-does and records is ``lablib.probes.zero.probe_case`` (``zero3``: ``lablib.probes.zero3.probe``, with FSDP2's
-losses on the same ranks).
+does and records is ``lablib.probes.zero.probe_case`` (``zero3``: ``lablib.probes.zero3.probe``, 4 steps of 2 samples
+per rank, with FSDP2's losses on the same ranks for the GPT).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from lablib.jobs import script
 from lablib.probes.ddp import load_impl
 from lablib.jobs.exercise import require_file
-from lablib.probes import zero3 as zero3_probes
-from lablib.probes.zero import CASES, CLASSES, probe_case
+from lablib.probes import zero as zero_probes, zero3 as zero3_probes
+from lablib.probes.zero_cases import CASES, CLASSES
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,14 @@ def run(env, config: Config) -> dict:
     results = {}
     for i, (n, case) in enumerate(config.pairs()):
         if env.rank < n:   # the other ranks go on to the barrier and wait there
-            results[f"{n}:{case}"] = probe_case(impl, config.exercise, case, env, groups[n], steps=config.steps,
-                                                per_rank=config.per_rank, seed=config.seed,
-                                                fsdp2=case == "gpt")
+            if config.exercise == "zero3":
+                results[f"{n}:{case}"] = zero3_probes.probe(impl, case, env, groups[n], steps=min(config.steps, 4),
+                                                            per_rank=min(config.per_rank, 2), seed=config.seed,
+                                                            fsdp2=case == "gpt")
+            else:
+                results[f"{n}:{case}"] = zero_probes.probe_case(impl, config.exercise, case, env, groups[n],
+                                                                steps=config.steps, per_rank=config.per_rank,
+                                                                seed=config.seed)
         dist.barrier()
         script.progress(env, i + 1, len(config.runs))
     return {"runs": results if env.is_main else {}}

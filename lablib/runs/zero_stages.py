@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.zero_stages --zero1-impl zero1_impl.py \\
         --zero2-impl zero2_impl.py --zero3-impl zero3_impl.py --out zero_stages.json
 
-Lab 04's GPT, batches and PyTorch variants (``lablib.runs.zero_memory``: DDP, DDP + ZeroRedundancyOptimizer,
-FSDP2 with and without resharding after the forward), plus the students' classes:
+Lab 04's GPT, batches and PyTorch variants (``lablib.parallel.zero_states``, which lab 04's run uses too: DDP,
+DDP + ZeroRedundancyOptimizer, FSDP2 with and without resharding after the forward, and FSDP2 gathering bf16
+copies of its fp32 shards and reducing the gradients in fp32), plus the students' classes:
 
 - ``zero1_yours``  DDP (``gradient_as_bucket_view``) + the student's ``ShardedOptimizer(AdamW)``;
 - ``zero2_yours``  the student's ``ZeRO2(model, AdamW)``: no DDP, its own reduce-scatter and all-gather;
@@ -34,13 +35,15 @@ from lablib.jobs import script
 from lablib.probes.ddp import load_impl
 from lablib.jobs.exercise import require_file
 from lablib.course.models import GPT
-from lablib.runs import zero_memory
-from lablib.runs.zero_memory import Config as Lab04Config, apply_ddp, batches, held_params, shard_every_layer
-from lablib.probes.zero import held_bytes
+from lablib.parallel import zero_states
+from lablib.parallel.zero_states import Config as Lab04Config, apply_ddp, batches, held_params, shard_every_layer
+from lablib.probes.zero_held import held_bytes
 
-VARIANTS = ("ddp", "zero1_torch", "zero1_yours", "zero2_yours", "zero3_yours", "fsdp2_grad_op", "fsdp2_full")
+VARIANTS = ("ddp", "zero1_torch", "zero1_yours", "zero2_yours", "zero3_yours", "fsdp2_grad_op", "fsdp2_full",
+            "fsdp2_bf16")
 STAGE = {"ddp": 0, "zero1_torch": 1, "zero1_yours": 1, "zero2_yours": 2, "zero3_yours": 3, "fsdp2_grad_op": 2,
-         "fsdp2_full": 3}
+         "fsdp2_full": 3, "fsdp2_bf16": 3}
+MEASURED = VARIANTS[:-1]     # compared with lab 04's fp32 formula (the bf16 variant is there for its collectives)
 PHASES = ("after_forward", "after_backward", "after_step")
 
 
@@ -82,7 +85,7 @@ class _Stepper:
         torch.manual_seed(lab04.seed)       # the same initial weights on every rank and in every variant
         self.model = GPT(lab04.gpt()).to(env.device)
         self.log = counting.CollectiveLog()
-        self.sharded, self.students, self.shards = [], None, []
+        self.sharded, self.students, self.shards, self.buckets = [], None, [], []
         hyper = {"lr": lab04.lr, "weight_decay": lab04.weight_decay}
         if variant in ("ddp", "zero1_torch"):
             self.wrapped, self.opt = apply_ddp(self.model, lab04, zero1=variant == "zero1_torch")
@@ -101,15 +104,33 @@ class _Stepper:
             self.wrapped = self.model
             self.opt = self.students = impl.ZeRO3(self.model, list(self.model.h), torch.optim.AdamW, **hyper)
             self.shards = [u.shard for u in self.students.all_units()]   # its parameters at rest
+        elif variant == "fsdp2_bf16":     # bf16 copies gathered, fp32 shards the master copy, fp32 reduction
+            self.wrapped = shard_every_layer(self.model, reshard_after_forward=True, param_dtype=torch.bfloat16,
+                                             reduce_dtype=torch.float32)
+            self.opt = torch.optim.AdamW(self.model.parameters(), **hyper)
+            self.sharded = list(self.model.parameters())
         else:
             self.wrapped = shard_every_layer(self.model, reshard_after_forward=variant == "fsdp2_full")
             self.opt = torch.optim.AdamW(self.model.parameters(), **hyper)
             self.sharded = list(self.model.parameters())
 
+    def keep_buckets(self) -> None:
+        """DDP's gradient buckets: allocated when DDP is constructed (its Reducer, torch/nn/parallel/distributed.py:1437;
+        measured: the process grows by the gradients' size at construction, with either gradient_as_bucket_view),
+        seen here once the gradients are views of them (after a backward, gradient_as_bucket_view=True), and kept
+        in the count from then on: zero_grad(set_to_none) drops the views, not the buckets."""
+        if isinstance(self.wrapped, torch.nn.parallel.DistributedDataParallel) and not self.buckets:
+            self.buckets = [p.grad for p in self.model.parameters() if p.grad is not None]
+
     def held(self) -> dict:
         if self.students is not None:
-            return held_bytes(self.model, self.students, self.shards)
-        return memory.model_state_bytes(held_params(self.model, self.sharded), self.opt)
+            out = held_bytes(self.model, self.students, self.shards)
+        else:
+            out = memory.model_state_bytes(held_params(self.model, self.sharded), self.opt)
+        if self.buckets:            # the buckets' storages, each once, whether a gradient points into them or not
+            out["grads"] = memory.unique_storage_bytes(self.buckets)
+            out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
 
 
 class HeldTimeline(memory.MemoryTimeline):
@@ -134,6 +155,7 @@ def one_step(s: "_Stepper", env, x, y) -> torch.Tensor:
     s.opt.zero_grad()
     _, loss = s.wrapped(x.to(env.device), y.to(env.device))
     loss.backward()
+    s.keep_buckets()
     s.opt.step()
     return loss
 
@@ -176,6 +198,7 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
                 held["after_forward"] = s.held()
             s.log.phase = "backward"
             loss.backward()
+            s.keep_buckets()
             if last:
                 held["after_backward"] = s.held()
             s.log.phase = "step"
@@ -185,7 +208,10 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)            # equal shares: the mean of the ranks' means
         losses.append(global_loss.item() / env.world_size)
-    calls = {}
+    calls, t0 = {}, min((c.launched_s for c in s.log.calls), default=0.0)
+    # The last step's calls in order, for the per-unit timeline: when each was launched and done, from the first.
+    timeline_calls = [{"name": c.name, "bytes": c.bytes, "phase": c.phase, "launched_s": c.launched_s - t0,
+                       "done_s": (c.done_s - t0) if c.done_s is not None else None} for c in s.log.calls]
     for c in s.log.calls:                       # the last step's collectives, by name
         entry = calls.setdefault(c.name, {"calls": 0, "bytes": 0, "bus_bytes": 0.0})
         entry["calls"] += 1
@@ -200,7 +226,7 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
             timeline.sample("optimizer.step", "optimizer")
             s.opt.step()
             timeline.sample("optimizer.step done", "optimizer")
-    return {"losses": losses, "memory": held, "collectives": calls,
+    return {"losses": losses, "memory": held, "collectives": calls, "calls": timeline_calls if env.is_main else None,
             "timeline": timeline.samples if timeline is not None and env.is_main else None,   # rank 0's
             **timing.step_times(times, env.device, warmup=config.warmup)}
 
@@ -208,21 +234,21 @@ def train_variant(env, config: Config, variant: str, steps) -> dict:
 def formula_slack_bytes(model: GPT, world_size: int) -> dict[str, float]:
     """Bytes each variant's fullest rank may hold above lab 04's fp32 + AdamW formula, at the moment the notebook
     compares it (between steps; the peak for FSDP2 and ZeRO3). PyTorch's variants and ShardedOptimizer (whole
-    parameters, largest first to the least loaded rank): ``zero_memory.formula_slack_bytes``. ZeRO2: one flat buffer
+    parameters, largest first to the least loaded rank): ``zero_states.formula_slack_bytes``. ZeRO2: one flat buffer
     of N ceil(Phi/N) elements holds the parameters, and a shard of ceil(Phi/N) its gradient and its two moments, with
     one 4-byte step. ZeRO3: per unit (each block, then the root's parameters) shards of ceil(n_u/N) in parameters,
     gradients and moments, and a step per unit."""
     n = world_size
-    slack = zero_memory.formula_slack_bytes([list(p.shape) for p in model.parameters()], n)
+    slack = zero_states.formula_slack_bytes([list(p.shape) for p in model.parameters()], n)
     phi = sum(p.numel() for p in model.parameters())
     blocks = [sum(p.numel() for p in b.parameters()) for b in model.h]
     units = blocks + [phi - sum(blocks)]
     padding = -(-phi // n) * n - phi                                  # ZeRO2's flat buffer, in elements
     unit_padding = sum(-(-u // n) * n - u for u in units)              # ZeRO3's, over the units
     return {"ddp": slack["ddp"], "zero1_torch": slack["zero1"], "zero1_yours": slack["zero1"],
-            "zero2_yours": zero_memory.ADAM_STEP_BYTES + 4 * padding + (4 + 8) * padding / n,
-            "zero3_yours": zero_memory.ADAM_STEP_BYTES * len(units) + (4 + 4 + 8) * unit_padding / n,
-            "fsdp2_grad_op": slack["fsdp_grad_op"], "fsdp2_full": slack["fsdp_full"]}
+            "zero2_yours": zero_states.ADAM_STEP_BYTES + 4 * padding + (4 + 8) * padding / n,
+            "zero3_yours": zero_states.ADAM_STEP_BYTES * len(units) + (4 + 4 + 8) * unit_padding / n,
+            "fsdp2_grad_op": slack["fsdp_grad_op"], "fsdp2_full": slack["fsdp_full"], "fsdp2_bf16": slack["fsdp_full"]}
 
 
 def run(env, config: Config) -> dict:

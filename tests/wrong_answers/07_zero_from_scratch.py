@@ -31,6 +31,9 @@ WRONG_ANSWERS = {
             "sharded_optimizer", (_GREEDY, '''        for p in group["params"]:
             rank = len(self.owner) % self.world_size
             self.owner[p] = rank'''))),
+        ("step() never copies the outer groups' hyperparameters: an lr schedule does not reach the inner optimizer",
+         _changed("sharded_optimizer", ("            mine.update({k: v for k, v in group.items() if k != \"params\"})   "
+                                        "# e.g. an lr schedule's new lr\n", "            pass\n"))),
     ],
     "zero2": [
         # Caught in this process (world size 1): the full gradients are still there after step().
@@ -44,6 +47,14 @@ WRONG_ANSWERS = {
         ("a padding element leaks into the update: shard r starts at r * (numel // N), not r * S", _changed(
             "zero2", ("        start = self.rank * self.shard_numel\n",
                       "        start = self.rank * (numel // self.world_size)\n"))),
+        ("all-reduces the whole flat gradient and keeps its own slice (right numbers, twice the bytes)", _changed(
+            "zero2", ("        dist.reduce_scatter_tensor(shard_grad, grads)             # sum over ranks of shard r -> rank r\n",
+                      "        dist.all_reduce(grads)\n"
+                      "        shard_grad.copy_(grads[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel])\n"))),
+        ("all-gathers the parameters with N broadcasts, one per owner", _changed(
+            "zero2", ("        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())   # every rank's new shard\n",
+                      "        for r in range(self.world_size):\n"
+                      "            dist.broadcast(self.flat[r * self.shard_numel:(r + 1) * self.shard_numel], src=r)\n"))),
     ],
 }
 
@@ -55,8 +66,25 @@ WRONG_ANSWERS["zero3"] = [
      _changed("zero3", ("saved views of them).\"\"\"\n        self.gather(unit)\n",
                         "saved views of them).\"\"\"\n        pass\n"))),
     ("sums the gradients over the ranks instead of averaging them", _changed(
-        "zero3", ("        unit.shard.grad = shard_grad.div_(self.world_size)         # the mean\n",
-                  "        unit.shard.grad = shard_grad\n"))),
+        "zero3", ("        shard_grad.div_(self.world_size)                           # the mean\n", ""))),
+    ("a second micro-batch overwrites the shard's gradient instead of adding to it", _changed(
+        "zero3", ("        if unit.shard.grad is None:\n            unit.shard.grad = shard_grad\n"
+                  "        else:                                                      # a second micro-batch: accumulate\n"
+                  "            unit.shard.grad += shard_grad\n", "        unit.shard.grad = shard_grad\n"))),
+    ("frees the blocks only in step(), not during the backward", _changed(
+        "zero3", ("        self.free(unit)                                            # its backward is done\n", ""),
+                 ("        self.optimizer.step()\n", "        self.optimizer.step()\n"
+                  "        for unit in self.all_units():\n            self.free(unit)\n"))),
+    ("all-reduces each block's gradient and keeps its own slice", _changed(
+        "zero3", ("        dist.reduce_scatter_tensor(shard_grad, grads)              # sum over ranks of shard r -> rank r\n",
+                  "        dist.all_reduce(grads)\n"
+                  "        shard_grad.copy_(grads[self.rank * unit.shard_numel:(self.rank + 1) * unit.shard_numel])\n"))),
+    ("gathers a block with N broadcasts, one per rank's shard", _changed(
+        "zero3", ("        dist.all_gather_into_tensor(unit.full, unit.shard.detach())\n",
+                  "        for r in range(self.world_size):\n"
+                  "            piece = unit.full[r * unit.shard_numel:(r + 1) * unit.shard_numel]\n"
+                  "            if r == self.rank:\n                piece.copy_(unit.shard.detach())\n"
+                  "            dist.broadcast(piece, src=r)\n"))),
     ("a padding element leaks into the update: shard r starts at r * (numel // N), not r * S", _changed(
         "zero3", ("        start = rank * self.shard_numel\n", "        start = rank * (numel // world_size)\n"))),
     ("keeps the full gradients after the reduce-scatter (p.grad never freed)", _changed(
@@ -93,15 +121,20 @@ CORRECT_VARIANTS = {
             offset += p.numel()
         shard_grad = torch.empty_like(unit.shard)                  # (S,)
         dist.reduce_scatter_tensor(shard_grad, grads)              # sum over ranks of shard r -> rank r
-        unit.shard.grad = shard_grad.div_(self.world_size)         # the mean
+        shard_grad.div_(self.world_size)                           # the mean
+        if unit.shard.grad is None:
+            unit.shard.grad = shard_grad
+        else:                                                      # a second micro-batch: accumulate
+            unit.shard.grad += shard_grad
 """,
              """        flat = [p.grad.flatten() / self.world_size for p in unit.params]
         padding = self.world_size * unit.shard_numel - sum(g.numel() for g in flat)
         grads = torch.cat(flat + [flat[0].new_zeros(padding)])
         for p in unit.params:
             p.grad = None
-        unit.shard.grad = torch.empty_like(unit.shard)
-        dist.reduce_scatter_tensor(unit.shard.grad, grads)
+        mine = torch.empty_like(unit.shard)
+        dist.reduce_scatter_tensor(mine, grads)
+        unit.shard.grad = mine if unit.shard.grad is None else unit.shard.grad + mine
 """))),
     ],
 }

@@ -1,0 +1,80 @@
+"""Lab 07's ZeRO-3 cases (``lablib.probes.zero3``): the models cut into units (the course GPT's blocks, the stacks'
+layers; whatever is left is the root's), each rank's batch, the loss, and FSDP2 trained on the same batches from
+the same weights (``fully_shard`` on every block, then the root, FSDP2's defaults otherwise).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lablib.course.models import GPT, GPTConfig
+from lablib.probes.zero_cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build
+
+GPT_CASE = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)   # 28,576 parameters; padding at N = 3
+CASES = ("mlp", "uneven", "gpt", "float64", "accum")   # "gpt": the course GPT; the others: zero_cases.CASES
+_SEEDED = threading.Lock()           # the rehearsal's ranks are threads sharing torch's global generator
+
+
+def build_case(case: str, seed: int):
+    """(model, blocks): the same initial weights on every rank. A block is a unit of ZeRO-3; the model's other
+    parameters (GPT: embeddings, final norm, tied head; the stack: its head) are the root's."""
+    if case == "gpt":
+        with _SEEDED:
+            torch.manual_seed(seed)
+            model = GPT(GPT_CASE)
+        return model, list(model.h)
+    model = build(STACK_CASES[case], seed)
+    return model, list(model.layers)
+
+
+def my_batch(case: str, step: int, rank: int, world_size: int, per_rank: int, seed: int):
+    """This rank's rows of the step's global batch (world_size * per_rank samples)."""
+    if case == "gpt":   # random tokens: the losses are compared, not learned (and no text to load on every rank)
+        g = torch.Generator().manual_seed(seed * 1000 + step)
+        tokens = torch.randint(GPT_CASE.vocab_size, (world_size * per_rank, GPT_CASE.block_size + 1), generator=g)
+        mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+        return mine[:, :-1], mine[:, 1:]                      # (per_rank, block_size): inputs, next tokens
+    x, y = batch(STACK_CASES[case], step, world_size * per_rank, seed)   # the course's regression task
+    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+
+
+def loss_of(model, case: str, x, y) -> torch.Tensor:
+    return model(x, y)[1] if case == "gpt" else F.mse_loss(model(x), y)
+
+
+def mean_over_ranks(value: float, world_size: int, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)   # on the rank's device: NCCL needs it there
+    if world_size > 1:
+        dist.all_reduce(t)
+    return t.item() / world_size
+
+
+def fsdp2_losses(case: str, env, group, steps: int, per_rank: int, seed: int) -> list[float]:
+    """FSDP2 (``fully_shard`` on every block, then the root) on the same batches from the same weights."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = env.device.type
+    mesh = DeviceMesh.from_group(group, device) if group is not None else init_device_mesh(device, (world_size,))
+    model, blocks = build_case(case, seed)
+    model.to(env.device)
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for step in range(steps):
+        x, y = my_batch(case, step, rank, world_size, per_rank, seed)
+        opt.zero_grad()
+        loss = loss_of(model, case, x.to(env.device), y.to(env.device))
+        loss.backward()
+        opt.step()
+        t = loss.detach().double().reshape(1)
+        dist.all_reduce(t, group=group)
+        losses.append(t.item() / world_size)
+    return losses

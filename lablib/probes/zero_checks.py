@@ -1,0 +1,78 @@
+"""The checks ZeRO-2's and ZeRO-3's probes share (``lablib.probes.zero``, ``lablib.probes.zero3``): the class ran,
+the reference gradient and how far a correct answer's may be from it, and the two checks of a step (the shards'
+gradients, then the update).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lablib import checks
+from lablib.measure.rankcheck import gamma
+
+
+def check_ran(r: dict, where: str, extra: str = "", hint: str | None = None) -> None:
+    checks.check_true(r["error"] is None, f"{where}: raised {r['error']}{extra}",
+                      hint=hint or "NotImplementedError: the exercise cell is still the stub (write it and run it); "
+                                   "any other error names the line of your file it came from")
+
+
+class GradientTap:
+    """Each trainable parameter's gradient as the student's own model computes it, one per backward (a tensor hook
+    sees the gradient before it is accumulated into ``.grad``, and before any hook of the student's). The reference
+    mean is taken of these, not of a second model's: the CPU's matrix kernels choose their path by the alignment
+    of a parameter's storage, so a parameter laid out at another offset of a flat buffer gets other last bits."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.grads = [[] for _ in self.params]
+        self.handles = [p.register_hook(lambda g, i=i: self.grads[i].append(g.detach().clone()))
+                        for i, p in enumerate(self.params)]
+
+    def reset(self) -> None:
+        self.grads = [[] for _ in self.params]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def mean_gradient_and_bound(tap: GradientTap, world_size: int, micro_batches: int, dtype: torch.dtype):
+    """The ranks' mean of the tapped gradients, flat (numel,), the way a data-parallel reference takes it (each
+    rank's micro-batches added as autograd accumulates them, one all-reduce, then / N), and how far another correct
+    computation of the same mean may be from it, per element.
+
+    The exact mean is the sum of N m terms (N ranks, m micro-batches each) over N. Any order of adding them, and
+    dividing before or after, puts each term through at most N + m - 1 roundings: m - 1 accumulations, N - 1
+    additions across ranks, one division. So each computation is within gamma_{N+m-1} sum|terms| / N of the exact
+    mean (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1), and two of them within twice that;
+    u is the dtype's unit roundoff. For m = 1 this is ``rankcheck.mean_rounding_bound``."""
+    totals, abs_sums = [], []
+    for grads in tap.grads:
+        total, abs_sum = grads[0].clone(), grads[0].abs()
+        for g in grads[1:]:
+            total += g                                   # AccumulateGrad's in-place sum
+            abs_sum += g.abs()
+        totals.append(total.flatten())
+        abs_sums.append(abs_sum.flatten())
+    flat, abs_sum = torch.cat(totals), torch.cat(abs_sums)
+    if world_size > 1:
+        dist.all_reduce(flat)
+        dist.all_reduce(abs_sum)
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    return flat.div_(world_size), 2 * gamma(world_size + micro_batches - 1, unit_roundoff) * abs_sum / world_size
+
+
+def check_gradient_then_update(r: dict, where: str, gradient_hint: str, update_hint: str) -> None:
+    """ZeRO2's and ZeRO3's two checks of a step: the shards' gradients, gathered, against the ranks' mean gradient to
+    the rounding of a mean added in another order (``mean_gradient_and_bound``, element by element; padding exactly
+    0), then AdamW, stepped on that same gathered gradient, bit for bit."""
+    checks.check_true(r["max_grad_diff_over_bound"] <= 1.0,
+                      f"{where}: your shards' gradients (gathered) against the mean of the ranks' gradients over "
+                      f"{r['steps']} steps: the largest difference ({r['max_abs_grad_diff_vs_mean']:.3g}) is "
+                      f"{r['max_grad_diff_over_bound']:.3g} times what rounding of a mean allows "
+                      f"(2 gamma_(N+m-1) sum|g| / N per element, m micro-batches per step)", hint=gradient_hint)
+    checks.check_equal(r["steps_not_bit_equal"], [], f"{where}: steps after which some parameter is not bit-for-bit "
+                       f"equal to AdamW's stepped on your own mean gradient (of {r['steps']}; max |diff| "
+                       f"{r['max_abs_diff_vs_adamw']:.3g})", hint=update_hint)
