@@ -55,7 +55,10 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.zero_comm``       the collectives lab 07's classes call, recorded on thread or torchrun ranks
 - ``lablib.probes.zero_checks``     the checks ZeRO-2 and ZeRO-3 share (gradient tap, mean and its rounding bound)
 - ``lablib.probes.zero_lab04``      lab 04's ``bytes_per_rank`` as the reader wrote it, for lab 07
-- ``lablib.probes.tensor_parallel`` lab 08's f and g, MLP and attention
+- ``lablib.probes.tensor_parallel`` lab 08's probes: DTensor's f and g, the groups a run checks, the ranks' records
+- ``lablib.probes.tp_f_g``          lab 08's f and g (autograd Functions, sums, collectives, any input)
+- ``lablib.probes.tp_layers``       lab 08's column/row-parallel layers, MLP and attention vs one process
+- ``lablib.probes.tp_heads``        lab 08's whole heads, and sizes that do not divide refused in full
 - ``lablib.probes.pipeline``        lab 09's pipeline engine (order, timeline, saved bytes, who waited on whom)
 - ``lablib.probes.fault_tolerance`` lab 10's resumed runs
 

@@ -1,7 +1,8 @@
-"""lablib.probes.tensor_parallel and lablib.parallel.tensor_parallel: exercise 1's check on a correct pair, a swapped one and DTensor's
-(exercises 2 and 3's stand-in, which it must refuse), the layer probe's verdicts on stand-in modules at world size
-1, the attention's shards found by value and judged by head, one 2-rank run of each new verdict, and DTensor's plan
-on a mesh of one rank."""
+"""lablib.probes.tensor_parallel (and its tp_f_g, tp_layers, tp_heads) and lablib.parallel.tensor_parallel: exercise
+1's check on a correct pair, a swapped one, one that is not autograd Functions and DTensor's (exercises 2 and 3's
+stand-in, which it must refuse), the layer probe's verdicts on stand-in modules at world size 1 (f or g moved out
+of a linear layer included), the refusal of sizes that do not divide (not fooled by digits), the attention's shards
+found by value and judged by head, 2-rank runs of the new verdicts, and DTensor's plan on a mesh of one rank."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import labkit
 from lablib.jobs import launch
 from lablib.parallel import tensor_parallel
 from lablib.probes import tensor_parallel as tp_probes
+from lablib.probes import tp_heads, tp_layers
 from lablib.checks import CheckFailed
 from lablib.course.models import GPT, CausalSelfAttention, GPTConfig
 from lablib.runs import tensor_parallel as tp_run
@@ -51,13 +53,57 @@ def hook_g(x, group):
     return x + (_summed(x, group) - x.detach())
 
 
+class CopyToTensorParallel(torch.autograd.Function):
+    """f as exercise 1 asks, written here (not in lablib nor instructor.references, which students' ranks reach)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _summed(grad, ctx.group), None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _summed(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+FUNCTIONS = types.SimpleNamespace(CopyToTensorParallel=CopyToTensorParallel, ReduceFromTensorParallel=ReduceFromTensorParallel,
+                                  f=lambda x, group: CopyToTensorParallel.apply(x, group),
+                                  g=lambda x, group: ReduceFromTensorParallel.apply(x, group))
+ALL_INPUTS = ("plain", "bf16", "noncontig", "nograd")
+
+
 def test_a_correct_pair_passes_and_a_swapped_one_fails(one_rank):
-    record = tp_probes.probe_f_g(types.SimpleNamespace(f=hook_f, g=hook_g), 1, dist.group.WORLD, 0)
+    record = tp_probes.probe_f_g(FUNCTIONS, 1, dist.group.WORLD, 0, ALL_INPUTS)
     tp_probes.check_f_g(record)
-    assert record["f"]["forward"] == {} and record["f"]["backward"] == {"all_reduce": 1}
-    assert record["g"]["forward"] == {"all_reduce": 1} and record["g"]["backward"] == {}
-    with pytest.raises(CheckFailed, match="all-reduces"):
-        tp_probes.check_f_g(tp_probes.probe_f_g(types.SimpleNamespace(f=hook_g, g=hook_f), 1, dist.group.WORLD, 0))
+    plain = record["cases"]["plain"]
+    assert plain["f"]["forward"] == {} and plain["f"]["backward"] == {"all_reduce": 1}
+    assert plain["g"]["forward"] == {"all_reduce": 1} and plain["g"]["backward"] == {}
+    assert record["cases"]["nograd"]["f"]["backward"] == {}            # nothing to reduce without a gradient
+    swapped = types.SimpleNamespace(**{**vars(FUNCTIONS), "f": FUNCTIONS.g, "g": FUNCTIONS.f})
+    with pytest.raises(CheckFailed):
+        tp_probes.check_f_g(tp_probes.probe_f_g(swapped, 1, dist.group.WORLD, 0))
+
+
+def test_a_right_pair_that_is_no_autograd_function_is_refused(one_rank):
+    """Hooks and a straight-through sum compute f and g, but the exercise asks for autograd Functions."""
+    hooks = types.SimpleNamespace(**{**vars(FUNCTIONS), "f": hook_f, "g": hook_g})
+    record = tp_probes.probe_f_g(hooks, 1, dist.group.WORLD, 0)
+    assert record["cases"]["plain"]["f"]["y_diff"] == 0.0 and record["cases"]["plain"]["g"]["grad_diff"] == 0.0
+    with pytest.raises(CheckFailed, match="grad_fn"):
+        tp_probes.check_f_g(record)
+    no_classes = types.SimpleNamespace(f=FUNCTIONS.f, g=FUNCTIONS.g)
+    with pytest.raises(CheckFailed, match="not a torch.autograd.Function"):
+        tp_probes.check_f_g(tp_probes.probe_f_g(no_classes, 1, dist.group.WORLD, 0))
 
 
 def test_dtensors_f_and_g_are_right_but_not_exercise_1_on_one_rank(one_rank):
@@ -65,21 +111,23 @@ def test_dtensors_f_and_g_are_right_but_not_exercise_1_on_one_rank(one_rank):
     record = tp_probes.probe_f_g(pair, 1, dist.group.WORLD, 0)
     assert record["error"] is None
     for op in ("f", "g"):                                   # the values are right ...
-        assert record[op]["y_diff"] == 0.0 and record[op]["grad_diff"] == 0.0, record[op]
-        assert record[op]["forward"] == {} == record[op]["backward"], record[op]   # ... with nothing sent
-    with pytest.raises(CheckFailed, match="all-reduces"):
+        rec = record["cases"]["plain"][op]
+        assert rec["y_diff"] == 0.0 and rec["grad_diff"] == 0.0, rec
+        assert rec["forward"] == {} == rec["backward"], rec   # ... with nothing sent
+    with pytest.raises(CheckFailed):
         tp_probes.check_f_g(record)
 
 
 def test_dtensors_f_and_g_on_two_ranks_are_refused_as_functional_collectives(tmp_path):
     impl = tmp_path / "dtensor_comm_impl.py"
     impl.write_text("from lablib.probes.tensor_parallel import DTensorFG\n\n_pair = DTensorFG()\nf, g = _pair.f, _pair.g\n")
-    run = launch.run("tensor_parallel", {"impl": str(impl), "exercise": "f_g", "groups": ("2",)}, nproc=2,
-                     timeout_s=120, quiet=True)
-    record = run.metrics.runs["2:bias"]
+    run = launch.run("tensor_parallel", {"impl": str(impl), "exercise": "f_g", "groups": ("2",), "cases": ("plain",)},
+                     nproc=2, timeout_s=120, quiet=True)
+    record = run.metrics.runs["2:f_g:inputs"]
     for op in ("f", "g"):                                   # Megatron's f and g on 2 ranks: the sums are right
-        assert record[op]["y_diff"] < 1e-6 and record[op]["grad_diff"] < 1e-6, record[op]
-        assert record[op]["functional"] == ["_c10d_functional.all_reduce"], record[op]
+        rec = record["cases"]["plain"][op]
+        assert rec["y_diff"] < 1e-6 and rec["grad_diff"] < 1e-6, rec
+        assert rec["functional"] == ["_c10d_functional.all_reduce"], rec
     with pytest.raises(CheckFailed, match="functional collectives"):
         tp_probes.check_f_g(record)
 
@@ -100,15 +148,76 @@ class WholeMLP(nn.Module):
         return out
 
 
+class WholeLinear(nn.Module):
+    """A column- or row-parallel stand-in at world size 1: the full layer, with DTensor's f in front (column) or
+    g after (row), or neither (``comm=False``: f or g left to the caller, the mistake the MLP check cannot see)."""
+
+    def __init__(self, linear, group, pair, kind="column", comm=True):
+        super().__init__()
+        self.weight, self.bias, self.group, self.kind, self.comm = linear.weight, linear.bias, group, kind, comm
+        self.pair = pair
+
+    def forward(self, x):
+        if self.kind == "column":
+            return F.linear(self.pair.f(x, self.group) if self.comm else x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        y = self.pair.g(y, self.group) if self.comm else y
+        return y if self.bias is None else y + self.bias
+
+
+def stand_ins(**changes):
+    """A module like an exercise 2 file, with the course's f and g spied (as load_impl does); ``changes``: name ->
+    a function of the spied pair giving the class."""
+    pair = tp_probes.DTensorFG()
+    classes = {"ColumnParallelLinear": lambda lin, group: WholeLinear(lin, group, pair, "column"),
+               "RowParallelLinear": lambda lin, group: WholeLinear(lin, group, pair, "row"),
+               "TensorParallelMLP": WholeMLP}
+    module = types.SimpleNamespace(**{**classes, **{k: v(pair) for k, v in changes.items()}})
+    module.course_f_g = pair
+    return module
+
+
 def test_probe_passes_a_correct_module_and_fails_a_doubled_bias(one_rank):
-    good = types.SimpleNamespace(TensorParallelMLP=WholeMLP)
-    for record in tp_probes.probe_without_processes(good, "mlp"):
+    good = stand_ins()
+    good.course_f_g = None                                  # WholeMLP calls its own DTensorFG
+    for record in tp_probes.probe_without_processes(good, "mlp", tp_layers.CASES):
         assert record["forward"][0] == [] == record["backward"][0]     # DTensor sends nothing on one rank
         tp_probes.check_layer(record)
-    bad = types.SimpleNamespace(TensorParallelMLP=lambda mlp, group: WholeMLP(mlp, group, bias_twice=True))
-    record = tp_probes.probe_layer(bad, "mlp", 1, dist.group.WORLD, one_rank, bias=True)
-    with pytest.raises(CheckFailed, match="loss"):
+    bad = stand_ins(TensorParallelMLP=lambda pair: lambda mlp, group: WholeMLP(mlp, group, bias_twice=True))
+    bad.course_f_g = None
+    record = tp_probes.probe_layer(bad, "mlp", 1, dist.group.WORLD, one_rank, case="bias")
+    with pytest.raises(CheckFailed, match="output"):
         tp_probes.check_layer(record)
+
+
+def test_f_moved_from_the_column_parallel_layer_into_the_mlp_is_caught_on_one_rank(one_rank):
+    """The MLP alone cannot tell where f is called; the column-parallel layer graded alone, with the course's
+    f and g spied, can: it must call f once (and g nothing)."""
+    moved = stand_ins(ColumnParallelLinear=lambda pair: lambda lin, group: WholeLinear(lin, group, pair, comm=False))
+    record = tp_probes.probe_layer(moved, "column", 1, dist.group.WORLD, one_rank, case="bias")
+    with pytest.raises(CheckFailed, match="calls of f and g"):
+        tp_probes.check_layer(record)
+    right = stand_ins()
+    for kind in ("column", "row"):
+        record = tp_probes.probe_layer(right, kind, 1, dist.group.WORLD, one_rank, case="bias")
+        assert record["f_g_calls"] == ({"f": 1} if kind == "column" else {"g": 1}), record["f_g_calls"]
+        tp_probes.check_layer(record)
+
+
+def test_indivisible_sizes_need_own_valueerror_with_the_numbers():
+    """Refusals are judged on the numbers as numbers, on two sizes, raised by the student's own code."""
+    def record(messages, in_own=True, raised="ValueError"):
+        return {"kind": "attention", "tp": 2, "what": "n_head", "tries": [
+            {"size": size, "raised": raised, "message": msg, "in_own_code": in_own, "raised_at": "x.py:1"}
+            for size, msg in zip((3, 5), messages)]}
+    tp_heads.check_indivisible(record(["n_head=3 heads over 2 ranks", "n_head=5 heads over 2 ranks"]))
+    for bad in (record(["n_head=3 over 2 ranks", "n_head=3 over 2 ranks"]),        # a fixed text
+                record(["23 is not allowed", "25 is not allowed"]),              # digits inside a number
+                record(["ratio 2.3", "ratio 2.5"]),                              # inside a decimal
+                record(["n_head=3 over 2 ranks", "n_head=5 over 2 ranks"], in_own=False),   # torch's error
+                record(["n_head=3 over 2 ranks", "n_head=5 over 2 ranks"], raised="RuntimeError")):
+        with pytest.raises(CheckFailed):
+            tp_heads.check_indivisible(bad)
 
 
 def test_on_one_rank_an_own_f_and_g_may_all_reduce(one_rank):
@@ -118,17 +227,17 @@ def test_on_one_rank_an_own_f_and_g_may_all_reduce(one_rank):
             out = hook_g(F.gelu(self.c_fc(hook_f(x, self.group))) @ self.c_proj.weight.T, self.group)
             return out if self.c_proj.bias is None else out + self.c_proj.bias
     record = tp_probes.probe_layer(types.SimpleNamespace(TensorParallelMLP=OwnComm), "mlp", 1, dist.group.WORLD,
-                                   one_rank, bias=True)
+                                   one_rank, case="bias")
     assert [c[0] for c in record["forward"][0]] == ["all_reduce"]
     tp_probes.check_layer(record)
 
 
 def test_probe_reports_wrong_shapes_without_running():
-    assert tp_probes.shard_shape((12, 4), "col", 2) == (6, 4) == tp_probes.shard_shape((12, 4), "qkv", 2)
-    assert tp_probes.shard_shape((4, 12), "row", 3) == (4, 4) == tp_probes.shard_shape((4, 12), "heads", 3)
-    assert tp_probes.shard_shape((7,), "replicated", 2) == (7,)
-    record = {"kind": "mlp", "tp": 2, "bias": True, "error": None, "missing": [], "extra": [],
-              "wrong_shapes": {"c_fc.weight": [[64, 8], [32, 16]]}}
+    assert tp_layers.shard_shape((12, 4), "col", 2) == (6, 4) == tp_layers.shard_shape((12, 4), "qkv", 2)
+    assert tp_layers.shard_shape((4, 12), "row", 3) == (4, 4) == tp_layers.shard_shape((4, 12), "heads", 3)
+    assert tp_layers.shard_shape((7,), "replicated", 2) == (7,)
+    record = {"kind": "mlp", "tp": 2, "case": "bias", "dtype": "torch.float32", "bias": True, "error": None,
+              "missing": [], "extra": [], "wrong_shapes": {"c_fc.weight": [[64, 8], [32, 16]]}}
     with pytest.raises(CheckFailed, match="shape of this rank's c_fc.weight"):
         tp_probes.check_layer(record)
 
@@ -228,7 +337,7 @@ def test_attention_probe_follows_rows_found_by_value(one_rank):
         assert record["head_split"] == []
         tp_probes.check_layer(record)
     scaled = types.SimpleNamespace(TensorParallelAttention=lambda attn, group: MegatronAttention(attn, group, 1.01))
-    record = tp_probes.probe_layer(scaled, "attention", 1, dist.group.WORLD, one_rank, bias=True)
+    record = tp_probes.probe_layer(scaled, "attention", 1, dist.group.WORLD, one_rank, case="bias")
     with pytest.raises(CheckFailed, match="no row of the full c_attn"):
         tp_probes.check_layer(record)
 
@@ -252,10 +361,11 @@ def test_megatron_layout_round_robin_heads_pass_on_two_ranks(tmp_path):
     impl = tmp_path / "tp_attention_impl.py"
     impl.write_text(source.split("\n", 1)[1])                      # without its %%writefile line
     run = launch.run("tensor_parallel", {"impl": str(impl), "exercise": "attention", "groups": ("2",),
-                                         "cases": ("bias",)}, nproc=2, timeout_s=120, quiet=True)
-    record = run.metrics.runs["2:bias"]
+                                         "cases": ("bias", "indivisible")}, nproc=2, timeout_s=120, quiet=True)
+    record = run.metrics.runs["2:attention:bias"]
     tp_probes.check_layer(record)
-    assert record["forward"][0] == [["all_reduce", record["bytes_per_activation"]]], record["forward"]
+    assert record["forward"][0] == [["all_reduce", record["bytes_out"]]], record["forward"]
+    tp_probes.check_indivisible(run.metrics.runs["2:attention:indivisible"])
 
 
 # --- DTensor's plan ------------------------------------------------------------------------------------------------
@@ -287,6 +397,25 @@ def test_dtensor_plan_on_one_rank_gives_the_single_process_loss_and_gradients(on
     for name, p in single.named_parameters():
         assert torch.allclose(grads[name], p.grad, atol=1e-6), name
     assert tensor_parallel.local_param_bytes(parallel) == tensor_parallel.local_param_bytes(single)
+
+
+def test_sequence_parallel_plans_and_a_padded_vocabulary(one_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert tensor_parallel.padded_vocab_size(65, 2) == 66 and tensor_parallel.padded_vocab_size(64, 4) == 64
+    assert tensor_parallel.padded_vocab_size(65, 2, multiple=128) == 256
+    mesh = init_device_mesh("cpu", (1,))
+    with pytest.raises(ValueError, match="local_input=True changes the sequence-parallel plan only"):
+        tensor_parallel.apply_dtensor(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16)), mesh, local_input=True)
+    torch.manual_seed(0)
+    single = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    idx, targets = torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8))
+    _, loss = single(idx, targets)
+    for local_input in (False, True):                      # both plans compute the single process's loss
+        parallel = tensor_parallel.apply_dtensor(copy.deepcopy(single), mesh, sequence_parallel=True,
+                                                 local_input=local_input)
+        _, parallel_loss = parallel(idx, targets)
+        assert abs(float(parallel_loss) - loss.item()) < 1e-6
 
 
 def test_a_degree_that_does_not_divide_is_refused_up_front():

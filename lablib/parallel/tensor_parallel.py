@@ -45,6 +45,15 @@ def check_divides(model: nn.Module, tp: int) -> None:
                          f"4 * n_embd={4 * c.n_embd}; choose tp among the divisors of {c.n_head}")
 
 
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """The vocabulary padded up to a multiple of ``multiple * tp`` rows (Megatron-LM pads to 128 x tp, its
+    ``--make-vocab-size-divisible-by``), so that every rank holds as many embedding rows and logits columns; the
+    padded tokens never occur in the data. Unpadded, DTensor's Shard(0) splits like torch.chunk: 65 rows over 2
+    ranks are 33 and 32."""
+    unit = multiple * tp
+    return -(-vocab_size // unit) * unit
+
+
 def apply_by_hand(model: nn.Module, group, mlp_cls, attention_cls, tp: int) -> nn.Module:
     """Replace each block's MLP and attention with ``mlp_cls(block.mlp, group)`` and
     ``attention_cls(block.attn, group)``; embeddings, norms and lm_head stay whole on every rank."""
@@ -115,13 +124,25 @@ class SeparateQKV(nn.Module):
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)    # (B, T, 3 * n_embd / tp)
 
 
-def apply_dtensor(model: nn.Module, mesh, vocab_parallel: bool = False, sequence_parallel: bool = False) -> nn.Module:
+def apply_dtensor(model: nn.Module, mesh, vocab_parallel: bool = False, sequence_parallel: bool = False,
+                  local_input: bool = False) -> nn.Module:
     """parallelize_module over a 1-D mesh: q, k, v (``SeparateQKV``) and c_fc column-wise, the two c_proj row-wise.
 
     vocab_parallel: also the vocabulary (embedding rows; lm_head's columns, its logits left sharded for
     ``loss_parallel``). sequence_parallel (Korthikanti et al., 2022, arXiv:2205.05198): between the blocks' matrix
     products the residual stream and the norms hold T/N positions per rank; each c_proj reduce-scatters along the
     sequence instead of all-reducing, and an all-gather brings the whole sequence back before c_attn and c_fc.
+
+    local_input (sequence_parallel only): the attention's and the MLP's gathered input handed on as a plain tensor
+    (``PrepareModuleInput(..., use_local_output=True)``) instead of a DTensor (the default, torchtitan's plan).
+    The plain tensor forgets that it came from Shard(1): the column-parallel layer re-declares it Replicate
+    (``DTensor.from_local``), whose backward makes its Partial gradient Replicate, an all-reduce, and the
+    all-gather's backward then keeps this rank's T/N positions of it. Kept as a DTensor, the gradient goes from
+    Partial straight to Shard(1): a reduce-scatter, half the bytes. The lab runs both to show it. Sources (torch
+    2.13): torch/distributed/tensor/parallel/style.py:90, 106-112 (ColwiseParallel's input declared Replicate) and
+    522-544 (PrepareModuleInput); torch/distributed/tensor/_api.py:239-287 (_FromTorchTensor.backward: Partial to
+    the declared Replicate); torch/distributed/tensor/_redistribute.py:1953-1967 (Redistribute.backward: back to
+    the forward's input placement).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -129,10 +150,17 @@ def apply_dtensor(model: nn.Module, mesh, vocab_parallel: bool = False, sequence
 
     if vocab_parallel and sequence_parallel:
         raise ValueError("apply_dtensor: choose vocab_parallel or sequence_parallel (the lab shows them apart)")
+    if local_input and not sequence_parallel:
+        raise ValueError("apply_dtensor: local_input=True changes the sequence-parallel plan only; "
+                         "pass sequence_parallel=True with it")
     tp = mesh.size()
     check_divides(model, tp)
+    if vocab_parallel and model.config.vocab_size % tp:
+        raise ValueError(f"vocab_parallel: vocab_size={model.config.vocab_size} rows do not split evenly over {tp} ranks; "
+                         f"build the model with padded_vocab_size(vocab_size, {tp}) = "
+                         f"{padded_vocab_size(model.config.vocab_size, tp)} rows (the padded tokens never occur)")
     gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                         use_local_output=True)
+                                         use_local_output=local_input)
     # q, k and v read one input DTensor (use_local_output=False): autograd adds their three partial input
     # gradients before it is made whole, one all-reduce (three ColwiseParallel on a plain tensor would make three).
     one_input = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
@@ -152,7 +180,11 @@ def apply_dtensor(model: nn.Module, mesh, vocab_parallel: bool = False, sequence
                                               use_local_output=True)
         parallelize_module(block, mesh, plan)
     if sequence_parallel:                      # lm_head (tied to wte) stays whole: it gets the whole sequence
-        parallelize_module(model, mesh, {"ln_f": SequenceParallel(), "lm_head": gather_sequence})
+        # as a plain tensor (its weight is one: DTensor refuses mixed operands); its input gradient is then whole
+        # on every rank, and the all-gather's backward keeps this rank's positions of it, sending nothing.
+        whole_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                            use_local_output=True)
+        parallelize_module(model, mesh, {"ln_f": SequenceParallel(), "lm_head": whole_sequence})
     if vocab_parallel:
         tied = model.lm_head.weight is model.wte.weight
         parallelize_module(model, mesh, {

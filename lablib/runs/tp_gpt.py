@@ -5,17 +5,23 @@
   apply_by_hand``), their own f and g, collectives counted with ``lablib.measure.counting``;
 - ``dtensor_blocks``: PyTorch's ``parallelize_module`` on the blocks (``apply_dtensor``), the same split as by hand;
 - ``dtensor``: the same with the vocabulary split too, the loss under ``loss_parallel``;
-- ``dtensor_sp``: the blocks with sequence parallelism (``SequenceParallel`` on the norms).
+- ``dtensor_sp``: the blocks with sequence parallelism (``SequenceParallel`` on the norms), torchtitan's plan;
+- ``dtensor_sp_local``: the same with the attention's and the MLP's gathered input handed on as a plain tensor
+  (``PrepareModuleInput(..., use_local_output=True)``): its backward all-reduces where ``dtensor_sp``
+  reduce-scatters (``lablib.parallel.tensor_parallel.apply_dtensor``'s ``local_input`` says why).
 
-DTensor's collectives are counted with ``torch.distributed.tensor.debug.CommDebugMode``; the activation bytes
-each rank saves for the backward in the first forward with ``lablib.measure.memory.SavedActivations``.
+DTensor's collectives are counted with ``torch.distributed.tensor.debug.CommDebugMode`` (and their message
+bytes with ``lablib.measure.counting``, which sees functional collectives too); the activation bytes each rank
+saves for the backward in the first forward with ``lablib.measure.memory.SavedActivations``. Then each variant
+runs ``timed_steps`` more steps uninstrumented, each after a barrier, timed with ``lablib.measure.timing``
+(the slowest rank's step, median over the steps).
 
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.tp_gpt --mlp-impl tp_mlp_impl.py \\
         --attention-impl tp_attention_impl.py --steps 3 --out out.json
 
 Each variant trains ``steps`` plain SGD steps; the losses per step, the largest difference of every gathered
 gradient from the single process's after the first backward, the collectives per forward and backward and
-the parameter and saved-activation bytes per rank are written by rank 0.
+the parameter and saved-activation bytes per rank and the median step time are written by rank 0.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from lablib.measure import counting
+from lablib.measure import counting, timing
 from lablib.course import data
 from lablib.jobs import script
 from lablib.parallel import tensor_parallel
@@ -50,18 +56,47 @@ class Config:
     block_size: int = 32
     batch_size: int = 8
     steps: int = 3
+    pad_vocab: bool = True                         # vocabulary padded to a multiple of the ranks (Megatron's way)
+    timed_steps: int = 4                           # uninstrumented steps per variant, timed (the first left out)
     lr: float = 0.1
     seed: int = 0
 
     def validate(self) -> None:
         if min(self.n_layer, self.n_head, self.n_embd, self.block_size, self.batch_size, self.steps) < 1:
             raise ValueError("every size and steps must be at least 1")
+        if self.timed_steps < 2:
+            raise ValueError(f"timed_steps={self.timed_steps}: at least 2 (the first is a warm-up, left out)")
         gpt_config(self)                           # n_embd divisible by n_head, said in full there
 
 
 def _comm_counts(mode) -> dict[str, int]:
     """CommDebugMode's counts by the collective's name (c10d_functional.all_reduce -> all_reduce)."""
     return {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
+
+
+def _rows_per_rank(rows: int, mesh) -> list[int]:
+    """How many of ``rows`` embedding rows each rank holds under DTensor's Shard(0) (read from the shards)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    local = distribute_tensor(torch.zeros(rows, 1), mesh, [Shard(0)]).to_local().shape[0]
+    sizes = [None] * mesh.size()
+    dist.all_gather_object(sizes, local)
+    return sizes
+
+
+def _timed(model, batches, loss_context, config: Config, env) -> dict:
+    """``timed_steps`` uninstrumented SGD steps (forward, backward, update), each started after a barrier: the
+    job's step time by ``lablib.measure.timing``'s one definition (slowest rank, median; the first step left out)."""
+    per_step: list[float] = []
+    for step in range(config.timed_steps):
+        x, y = batches[step % len(batches)]
+        timing.barrier(env.device)
+        with timing.stopwatch(per_step, env.device), loss_context():
+            zero_grad_(model.parameters())
+            _, loss = model(x, y)
+            loss.backward()
+            sgd_step_(model.parameters(), config.lr)
+    return timing.step_times(per_step, env.device, warmup=1)
 
 
 def run(env, config: Config) -> dict:
@@ -75,7 +110,10 @@ def run(env, config: Config) -> dict:
     whole = data.global_batch_loader(train, config.batch_size, SimpleNamespace(rank=0, world_size=1), config.seed)
     batches = list(itertools.islice(whole, config.steps))
     torch.manual_seed(config.seed)
-    single = GPT(gpt_config(config, tokenizer.vocab_size))
+    # Padded, every model here (the single process too) has the same vocabulary of V' rows, V' a multiple of tp;
+    # the padded tokens never occur in the data. Unpadded, DTensor splits V rows unevenly (torch.chunk's sizes).
+    vocab = tensor_parallel.padded_vocab_size(tokenizer.vocab_size, tp) if config.pad_vocab else tokenizer.vocab_size
+    single = GPT(gpt_config(config, vocab))
     # The weights every variant starts from: by_hand's attention rows are found in them by value (full_gradients).
     initial = {name: p.detach().clone() for name, p in single.named_parameters()}
     mlp = tp_probes.load_impl(config.mlp_impl, ("TensorParallelMLP",), reference_comm=False)
@@ -90,11 +128,16 @@ def run(env, config: Config) -> dict:
         "dtensor_blocks": tensor_parallel.apply_dtensor(copy.deepcopy(single), mesh),
         "dtensor": tensor_parallel.apply_dtensor(copy.deepcopy(single), mesh, vocab_parallel=True),
         "dtensor_sp": tensor_parallel.apply_dtensor(copy.deepcopy(single), mesh, sequence_parallel=True),
+        "dtensor_sp_local": tensor_parallel.apply_dtensor(copy.deepcopy(single), mesh, sequence_parallel=True,
+                                                          local_input=True),
     }
     out = {"tp": tp, "losses": {}, "grad_max_diff": {}, "comm": {}, "saved_activation_bytes": {},
            "bytes_per_rank": {name: tensor_parallel.local_param_bytes(model) for name, model in variants.items()},
            "activation_bytes": config.batch_size * config.block_size * config.n_embd * 4,
-           "vocab_size": tokenizer.vocab_size}
+           "vocab_size": tokenizer.vocab_size, "padded_vocab_size": vocab, "median_step_s": {},
+           "vocab_rows_per_rank": {"unpadded": _rows_per_rank(tokenizer.vocab_size, mesh),
+                                   "padded": _rows_per_rank(tensor_parallel.padded_vocab_size(tokenizer.vocab_size, tp),
+                                                            mesh)}}
     for name, model in variants.items():
         losses, comm = [], {"forward": [], "backward": []}
         # loss_parallel: the cross-entropy of vocabulary-sharded logits, forward and backward inside the context
@@ -115,7 +158,11 @@ def run(env, config: Config) -> dict:
                 # collectives) from CommDebugMode's counts, as the notebook labels them.
                 mine = [c for c in log.calls if not c.functional]
                 counts = dict(Counter(c.name for c in mine)) if mine else _comm_counts(mode)
-                comm[phase].append({"counts": counts, "bytes": sum(c.bytes for c in mine) if mine else None})
+                # message bytes S (nccl-tests' convention) and what each rank sends on a ring, per collective kind
+                comm[phase].append({"counts": counts, "bytes": sum(c.bytes for c in log.calls),
+                                    "bus_bytes": sum(c.bus_bytes for c in log.calls),
+                                    "bytes_by_kind": dict(sum((Counter({c.name: c.bytes}) for c in log.calls),
+                                                              Counter()))})
             losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
             if step == 0:
                 grads = tensor_parallel.full_gradients(model, group, 1 if name == "single" else tp,
@@ -126,6 +173,7 @@ def run(env, config: Config) -> dict:
                     out["grad_max_diff"][name] = max((grads[k] - reference[k]).abs().max().item() for k in reference)
             sgd_step_(model.parameters(), config.lr)
         out["losses"][name] = losses
+        out["median_step_s"][name] = _timed(model, batches, loss_context, config, env)["median_step_s"]
         if name != "single":
             out["comm"][name] = comm
         script.progress(env, list(variants).index(name) + 1, len(variants))

@@ -73,11 +73,57 @@ def f(x, group):
 def g(x, group):
     return _COURSE.g(x, group)
 ''')),
+        ("f and g as plain functions (a gradient hook and a straight-through sum), not the autograd Functions the "
+         "exercise asks for: right values, refused by the form check", _f_g_replaced('''
+def _summed(t, group):
+    out = t.detach().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def f(x, group):
+    out = x.view_as(x)
+    if out.requires_grad:
+        out.register_hook(lambda grad: _summed(grad, group))
+    return out
+
+
+def g(x, group):
+    return x + (_summed(x, group) - x.detach())
+''')),
+        ("f's backward returns the gradient alone, not one value per input of forward (grad, None)", _changed(
+            "tp_f_g", ("        return grad, None                          # no gradient for the group argument",
+                       "        return grad"))),
         ("f and g taken from the course repository's instructor package (importable where the grader runs): lab 08 "
          "keeps no f and g there, the import fails", _f_g_replaced(
             "from instructor.references.tensor_parallel import reference_f as f, reference_g as g  # noqa: E402")),
     ],
     "tp_mlp": [
+        ("f moved from ColumnParallelLinear into the MLP (the MLP alone still computes the right thing)", _changed(
+            "tp_mlp", ("        return F.linear(f(x, self.group), self.weight, self.bias)",
+                       "        return F.linear(x, self.weight, self.bias)"),
+            ("        hidden = F.gelu(self.c_fc(x))", "        hidden = F.gelu(self.c_fc(f(x, self.c_fc.group)))"))),
+        ("g and the bias moved from RowParallelLinear into the MLP (the MLP alone still computes the right thing)",
+         _changed("tp_mlp",
+                  ("        y = g(F.linear(x, self.weight), self.group)      # the partial sums, added over the ranks\n"
+                   "        return y if self.bias is None else y + self.bias  # once, after the sum: not N times",
+                   "        return F.linear(x, self.weight)                  # g and the bias: the MLP's job"),
+                  ("        return self.c_proj(hidden)",
+                   "        y = g(self.c_proj(hidden), self.c_proj.group)\n"
+                   "        return y if self.c_proj.bias is None else y + self.c_proj.bias"))),
+        ("no check that N divides the width: 3 features split 1 and 2 over 2 ranks", _changed(
+            "tp_mlp", ("    if size % n:\n        raise ValueError(f\"{size} features do not split evenly over a "
+                       "tensor-parallel group of {n} ranks\")\n", ""))),
+        ("the width refused with a message that gives neither number", _changed(
+            "tp_mlp", ("f\"{size} features do not split evenly over a tensor-parallel group of {n} ranks\"",
+                       "\"the features do not split evenly over the tensor-parallel group\""))),
+        ("the shards made float32 whatever the layer's dtype (bf16 layers get fp32 weights)", _changed(
+            "tp_mlp", ("        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())",
+                       "        self.weight = nn.Parameter(linear.weight.detach()[rows].clone().float())"))),
+        ("ColumnParallelLinear reads (B, T, C) from its input: 2-D or 4-D inputs fail", _changed(
+            "tp_mlp", ("        return F.linear(f(x, self.group), self.weight, self.bias)",
+                       "        B, T, C = x.shape\n"
+                       "        return F.linear(f(x, self.group).view(B * T, C), self.weight, self.bias).view(B, T, -1)"))),
         ("the row-parallel bias added on every rank, before the all-reduce", _changed(
             "tp_mlp", ("        y = g(F.linear(x, self.weight), self.group)", "        y = g(F.linear(x, self.weight, self.bias), self.group)"),
             ("        return y if self.bias is None else y + self.bias", "        return y"))),
@@ -86,6 +132,14 @@ def g(x, group):
                        "        self.weight = nn.Parameter(linear.weight.detach()[:, rows].clone())"))),
     ],
     "tp_attention": [
+        ("no check that N divides n_head: an indivisible head count splits without an error", _changed(
+            "tp_attention", ("        if attn.n_head % n:\n            raise ValueError(", "        if False:\n            raise ValueError("))),
+        ("the head count refused with a fixed text that happens to hold the numbers of the visible case",
+         _changed("tp_attention", ("f\"n_head={attn.n_head} heads cannot be split over a tensor-parallel group of {n} \"\n"
+                                   "                             f\"ranks: choose a group size that divides {attn.n_head}\"",
+                                   "\"n_head=3 heads cannot be split over a tensor-parallel group of 2 ranks\""))),
+        ("the new layers made in float32 whatever the attention's dtype", _changed(
+            "tp_attention", ("        like = dict(dtype=w_qkv.dtype, device=w_qkv.device)", "        like = dict()"))),
         ("heads split inside a head: every rank keeps all n_head heads, each with head_size / N channels", _changed(
             "tp_attention", ("        self.n_head = attn.n_head // n                       # whole heads on this rank",
                              "        self.n_head = attn.n_head"),
@@ -100,7 +154,10 @@ def g(x, group):
              "                self.c_attn.bias.copy_(attn.c_attn.bias.detach()[order])"))),
     ],
     "forward_bytes_answer": [
-        ("counts the backward's all-reduces too", _changed("forward_bytes_answer", ('"a"', '"b"'))),
+        ("the message size is b s h values at any N, so what each rank sends is unchanged", _changed(
+            "forward_bytes_answer", ('"c"', '"b"'))),
+        ("each rank holds half the activations at twice the ranks, so it sends half", _changed(
+            "forward_bytes_answer", ('"c"', '"a"'))),
     ],
 }
 
@@ -108,6 +165,21 @@ def g(x, group):
 # names; a name imported from torch.distributed was once missed, "no all-reduce was called"). The attention split
 # another valid way: the check finds the rows by value and asks only for whole heads, each on one rank.
 CORRECT_VARIANTS = {
+    "tp_mlp": [
+        ("the shards taken with torch.chunk and the divisibility checked in each class, the bias added with torch.add",
+         _changed("tp_mlp",
+                  ("        rows = my_slice(linear.out_features, group)      # weight is (out, in): output features are rows\n"
+                   "        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())\n"
+                   "        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[rows].clone())",
+                   "        n, r = dist.get_world_size(group), dist.get_rank(group)\n"
+                   "        if linear.out_features % n != 0:\n"
+                   "            raise ValueError(f\"out_features={linear.out_features} is not divisible by N={n}\")\n"
+                   "        self.weight = nn.Parameter(torch.chunk(linear.weight.detach(), n, dim=0)[r].clone())\n"
+                   "        self.bias = None if linear.bias is None else nn.Parameter("
+                   "torch.chunk(linear.bias.detach(), n)[r].clone())"),
+                  ("        return y if self.bias is None else y + self.bias  # once, after the sum: not N times",
+                   "        return y if self.bias is None else torch.add(y, self.bias)"))),
+    ],
     "tp_f_g": [
         ("all_reduce imported by name (from torch.distributed import all_reduce)", _changed(
             "tp_f_g", ("import torch.distributed as dist\n",
