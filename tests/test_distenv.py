@@ -71,9 +71,9 @@ def test_a_collective_gloo_cannot_serve_is_found_and_named(monkeypatch):
         def unsupported(*args, **kwargs):
             raise RuntimeError("ProcessGroupGloo::reduce_scatter: unsupported device type cuda\nmore")
 
-        monkeypatch.setattr(dist, "reduce_scatter_tensor", unsupported)
+        monkeypatch.setattr(dist, "reduce_scatter_single", unsupported)
         assert distenv.gloo_gaps(torch.device("cpu"), 1) == [
-            "reduce_scatter_tensor (ProcessGroupGloo::reduce_scatter: unsupported device type cuda)"]
+            "reduce_scatter_single (ProcessGroupGloo::reduce_scatter: unsupported device type cuda)"]
     finally:
         dist.destroy_process_group()
 

@@ -88,7 +88,7 @@ def from_env() -> DistEnv:
 
 # The collectives the course's steps call (FSDP2 all-gathers and reduce-scatters; DDP all-reduces and
 # broadcasts), tried on the GPU when ranks share it over gloo.
-GLOO_CUDA_PROBES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+GLOO_CUDA_PROBES = ("all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single")
 
 
 def gloo_gaps(device: torch.device, world_size: int) -> list[str]:
@@ -103,10 +103,10 @@ def gloo_gaps(device: torch.device, world_size: int) -> list[str]:
                 dist.all_reduce(x)
             elif name == "broadcast":
                 dist.broadcast(x, src=0)
-            elif name == "all_gather_into_tensor":
-                dist.all_gather_into_tensor(torch.empty(world_size * world_size, device=device), x)
-            else:
-                dist.reduce_scatter_tensor(torch.empty(1, device=device), x)
+            elif name == "all_gather_single":        # torch 2.13's name of all_gather_into_tensor
+                dist.all_gather_single(torch.empty(world_size * world_size, device=device), x)
+            else:                                     # reduce_scatter_single: reduce_scatter_tensor's
+                dist.reduce_scatter_single(torch.empty(1, device=device), x)
         except (RuntimeError, NotImplementedError, ValueError) as exc:
             gaps.append(f"{name} ({str(exc).strip().splitlines()[0][:100]})")
     return gaps

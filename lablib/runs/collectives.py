@@ -4,6 +4,7 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
     torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 2,3,4 --out out.json
     torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 4 \\
         --bench_bytes 4096,65536,1048576 --bench_ranks 2 --out bench.json
+    torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 2,3,4 --check_seed 1234 --out check.json
 
 - pictures (for each of ``world_sizes``; ranks 0..w-1 form a gloo sub-group, the others wait, so several
   world sizes cost one torchrun start): rank r starts with ``[10 r, 10 r + 1, ...]`` (``per_rank`` x w
@@ -11,8 +12,14 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
   all_to_all (``all_to_all_single``, also with uneven splits), scatter, gather, send/recv and a barrier
   (ranks arrive at different times). Rank 0 gathers each rank's input and output, and what
   ``lablib.measure.counting`` recorded for the call (message size S, bus bytes).
-  It also tries ``reduce_scatter_tensor`` on an input that does not divide by the world size, and
+  It also tries ``reduce_scatter_single`` on an input that does not divide by the world size, and
   ``all_to_all_single`` with splits that do not add up, and keeps the errors PyTorch raises.
+- checks (``check_seed`` > 0, instead of everything else: the inputs of lab 00's exercise 1 check, drawn when the
+  check runs): for each of ``world_sizes``, all_reduce, all_gather, reduce_scatter and all_to_all on random whole
+  numbers (rank r's generator seeded with ``check_seed`` and r): 1-D float32 tensors of 3 x w elements (chunks of
+  3), 2-D tensors of (2 w, 3) (all_reduce in int64, all_gather in float64, reduce_scatter and all_to_all in
+  float32), and all_to_all_single of (rows, 2) tensors with uneven splits; each rank's input and output, and the
+  errors of ``expected_errors``.
 - wire (``wire_bytes`` = S > 0, for each of those world sizes): the bytes each rank really wrote to its
   sockets during each timed collective of S bytes, read from Linux's ``/proc/self/io`` (``wchar``: every
   write-like system call of the process, gloo's socket sends included), divided by S. What gloo moves, next
@@ -53,6 +60,7 @@ class Config:
     repeats: int = 5                        # timed repetitions per size and collective
     barrier_delay_s: float = 0.05           # rank r reaches the barrier r x this late
     wire_bytes: int = 0                     # message size S for counting the bytes gloo really sends (0: no)
+    check_seed: int = 0                     # > 0: only exercise 1's check cases, on inputs from this seed
 
     def validate(self) -> None:
         if self.per_rank < 1 or any(w < 1 for w in self.world_sizes):
@@ -61,6 +69,8 @@ class Config:
             raise ValueError(f"bench_bytes={self.bench_bytes}: float32 messages need a multiple of 4 bytes")
         if self.wire_bytes < 0 or self.wire_bytes % 4:
             raise ValueError(f"wire_bytes={self.wire_bytes}: a float32 message needs a multiple of 4 bytes (0: none)")
+        if self.check_seed < 0:
+            raise ValueError(f"check_seed={self.check_seed} must be >= 0 (0: no check cases)")
         if self.bench_ranks < 2 or self.repeats < 1 or self.barrier_delay_s < 0:
             raise ValueError(f"bench_ranks={self.bench_ranks} must be >= 2, repeats={self.repeats} >= 1, "
                              f"barrier_delay_s={self.barrier_delay_s} >= 0")
@@ -99,11 +109,11 @@ def one_rank(name: str, rank: int, n: int, numel: int, group, delay_s: float):
         return x, out, {}
     if name == "all_gather":
         out = torch.empty(n * numel)
-        dist.all_gather_into_tensor(out, x, group=group)
+        dist.all_gather_single(out, x, group=group)
         return x, out, {}
     if name == "reduce_scatter":
         out = torch.empty(numel // n)
-        dist.reduce_scatter_tensor(out, x, group=group)
+        dist.reduce_scatter_single(out, x, group=group)
         return x, out, {}
     if name == "all_to_all":
         out = torch.empty(numel)
@@ -148,7 +158,7 @@ def expected_errors(rank: int, n: int, group) -> dict:
     the same on every rank, so the group stays usable)."""
     errors = {}
     try:
-        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(n + 1), group=group)
+        dist.reduce_scatter_single(torch.empty(1), torch.ones(n + 1), group=group)
         errors["reduce_scatter_not_divisible"] = ""
     except (RuntimeError, ValueError) as exc:
         errors["reduce_scatter_not_divisible"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
@@ -159,6 +169,69 @@ def expected_errors(rank: int, n: int, group) -> dict:
     except (RuntimeError, ValueError) as exc:
         errors["all_to_all_splits_do_not_add_up"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
     return errors
+
+
+# Exercise 1's check cases: (collective, shape of a rank's input as a function of n, dtype).
+CHECK_CASES = {
+    "all_reduce": ("all_reduce", lambda n: (3 * n,), torch.float32),
+    "all_gather": ("all_gather", lambda n: (3 * n,), torch.float32),
+    "reduce_scatter": ("reduce_scatter", lambda n: (3 * n,), torch.float32),
+    "all_to_all": ("all_to_all", lambda n: (3 * n,), torch.float32),
+    "all_reduce_2d": ("all_reduce", lambda n: (2 * n, 3), torch.int64),
+    "all_gather_2d": ("all_gather", lambda n: (2 * n, 3), torch.float64),
+    "reduce_scatter_2d": ("reduce_scatter", lambda n: (2 * n, 3), torch.float32),
+    "all_to_all_2d": ("all_to_all", lambda n: (2 * n, 3), torch.float32),
+    "all_to_all_uneven": ("all_to_all", None, torch.float32),
+}
+
+
+def check_case(case: str, rank: int, n: int, seed: int, group) -> dict:
+    """One of CHECK_CASES on this rank: its input and output (random whole numbers below 1000 in magnitude,
+    so that every order of a sum of 4 of them is exact in any of the dtypes), in the current collective names."""
+    name, shape, dtype = CHECK_CASES[case]
+    gen = torch.Generator().manual_seed(seed * 1009 + 97 * n + 13 * list(CHECK_CASES).index(case) + rank)
+    extra = {}
+    if shape is None:                                  # uneven: rank s sends 1-3 rows of 2 to each rank
+        splits = [[1 + (s * 7 + r * 5 + seed) % 3 for r in range(n)] for s in range(n)]
+        extra["splits"] = splits
+        shape = (sum(splits[rank]), 2)
+    else:
+        shape = shape(n)
+    x = torch.randint(-999, 1000, shape, generator=gen).to(dtype)
+    if name == "all_reduce":
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+    elif name == "all_gather":
+        out = torch.empty((n * shape[0], *shape[1:]), dtype=dtype)
+        dist.all_gather_single(out, x, group=group)
+    elif name == "reduce_scatter":
+        out = torch.empty((shape[0] // n, *shape[1:]), dtype=dtype)
+        dist.reduce_scatter_single(out, x, group=group)
+    elif "splits" in extra:
+        receive = [extra["splits"][s][rank] for s in range(n)]
+        out = torch.empty((sum(receive), *shape[1:]), dtype=dtype)
+        dist.all_to_all_single(out, x, output_split_sizes=receive, input_split_sizes=extra["splits"][rank], group=group)
+    else:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+    return {"collective": name, "dtype": str(dtype).removeprefix("torch."), "before": x.tolist(), "after": out.tolist(),
+            **extra}
+
+
+def check_cases(env, config: Config, world_size: int, default_group) -> dict | None:
+    """Every CHECK_CASES case on ranks 0..world_size-1; rank 0 returns {case: {before, after: per rank, ...}}."""
+    sub = default_group if world_size == env.world_size else dist.new_group(list(range(world_size)), backend="gloo")
+    member = env.rank < world_size
+    mine = ({case: check_case(case, env.rank, world_size, config.check_seed, sub) for case in CHECK_CASES}
+            if member else None)
+    errors = expected_errors(env.rank, world_size, sub) if member else None
+    per_rank = [r for r in gather_objects((mine, errors), env, group=default_group) if r[0] is not None]
+    if not env.is_main:
+        return None
+    cases = {case: {**{k: v for k, v in per_rank[0][0][case].items() if k not in ("before", "after")},
+                    "before": [r[0][case]["before"] for r in per_rank], "after": [r[0][case]["after"] for r in per_rank]}
+             for case in CHECK_CASES}
+    return {"world_size": world_size, "cases": cases, "errors": per_rank[0][1]}
 
 
 def bytes_written() -> int | None:
@@ -224,9 +297,9 @@ def timed_call(name: str, x: torch.Tensor, out: dict, n: int, group) -> None:
     if name == "all_reduce":
         dist.all_reduce(x, group=group)
     elif name == "all_gather":                        # S = the gathered output, n x the input
-        dist.all_gather_into_tensor(out["all_gather"], x[: x.numel() // n], group=group)
+        dist.all_gather_single(out["all_gather"], x[: x.numel() // n], group=group)
     elif name == "reduce_scatter":                    # S = the full input
-        dist.reduce_scatter_tensor(out["reduce_scatter"], x, group=group)
+        dist.reduce_scatter_single(out["reduce_scatter"], x, group=group)
     elif name == "all_to_all":
         dist.all_to_all_single(out["all_to_all"], x, group=group)
     elif name == "broadcast":
@@ -272,6 +345,11 @@ def benchmark(env, config: Config) -> dict | None:
 def run(env, config: Config) -> dict:
     # CPU tensors through gloo on every machine (see the module docstring).
     default_group = None if env.backend == "gloo" else dist.new_group(backend="gloo")
+    if config.check_seed:
+        checked = {w: check_cases(env, config, w, default_group) for w in config.world_sizes or (env.world_size,)}
+        if env.is_main:
+            print(f"ran exercise 1's {len(CHECK_CASES)} check cases on {', '.join(map(str, checked))} ranks")
+        return {"checks": checked}
     result = {"pictures": {}}
     for world_size in config.world_sizes or (env.world_size,):
         drawn = pictures(env, config, world_size, default_group)

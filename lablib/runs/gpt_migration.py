@@ -32,7 +32,7 @@ from lablib.measure.memory import local_tensor
 from lablib.probes.gpt_migration import fsdp_plan, probe_loader, probe_mean
 from lablib.measure.rankcheck import (FP32_UNIT_ROUNDOFF, RecordingDataset, formula_rtol, gather_objects, samples_per_step,
                               shard_report, weight_spread)
-from lablib.runs.zero_memory import fsdp_rows_per_rank
+from lablib.parallel.zero_states import fsdp_rows_per_rank
 
 DDP_FUNCTIONS = ("wrap_model", "make_loader", "start_epoch", "mean_across_ranks")
 

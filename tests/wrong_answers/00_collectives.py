@@ -1,4 +1,12 @@
-"""Wrong answers for lab 00 (see tests/wrong_answers/__init__.py)."""
+"""Wrong answers for lab 00 (see tests/wrong_answers/__init__.py). The red team's (a reviewer who had read only the
+released notebook) come from ``redteam_00_collectives.py`` beside this file and are added to each list."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("redteam_00", Path(__file__).with_name("redteam_00_collectives.py"))
+_redteam = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_redteam)
 
 _PREDICT_REST = '''
 
@@ -125,7 +133,7 @@ import os
 import torch
 import torch.distributed as dist
 
-STEPS, LR, TARGET_LOSS = 30, 0.1, 1e-4
+STEPS, LR, TARGET_LOSS = 30, 0.1, 1.0
 
 
 def average_gradients(model, world_size):
@@ -213,12 +221,50 @@ def predict_all_reduce(inputs):
         inputs[0] += x
     return [inputs[0].clone() for _ in inputs]
 '''),
+        ("all_to_all as a transpose of elements: rank r gets element r of every rank (right only for chunks of 1)",
+         _PREDICT_REST.split("def predict_all_to_all")[0] + _ALL_REDUCE + _ALL_GATHER + _REDUCE_SCATTER + '''
+
+def predict_all_to_all(inputs, splits=None):
+    n = len(inputs)
+    if any(x.shape[0] % n for x in inputs):
+        raise ValueError("rows do not split evenly")
+    return [torch.stack([x[r] for x in inputs]) for r in range(n)]
+'''),
+        ("all_gather concatenates along the last dimension (the same as dim 0 for 1-D tensors only)",
+         _PREDICT_REST + _ALL_REDUCE + _REDUCE_SCATTER + '''
+
+def predict_all_gather(inputs):
+    _same_shapes(inputs, "all_gather")
+    return [torch.cat(inputs, dim=-1) for _ in inputs]
+'''),
+        ("reduce_scatter cuts the last dimension (the same as dim 0 for 1-D tensors only)",
+         _PREDICT_REST + _ALL_REDUCE + _ALL_GATHER + '''
+
+def predict_reduce_scatter(inputs):
+    n = len(inputs)
+    _same_shapes(inputs, "reduce_scatter")
+    if inputs[0].shape[0] % n:
+        raise ValueError("rows do not divide")
+    return [c.clone() for c in torch.stack(inputs).sum(0).chunk(n, dim=-1)]
+'''),
+        ("all_reduce accumulates into a float32 zeros tensor: an int64 input comes back as float32",
+         _PREDICT_REST + _ALL_GATHER + _REDUCE_SCATTER + '''
+
+def predict_all_reduce(inputs):
+    _same_shapes(inputs, "all_reduce")
+    total = torch.zeros(inputs[0].shape)
+    for x in inputs:
+        total += x
+    return [total.clone() for _ in inputs]
+'''),
+        ("all_to_all with uneven splits read the wrong way: splits[s][r] taken as what rank s receives from r",
+         _PREDICT_REST.replace("pieces = [torch.split(x, list(row)) for x, row in zip(inputs, splits)]",
+                               "pieces = [torch.split(x, [splits[r][s] for r in range(n)]) for s, x in enumerate(inputs)]")
+         + _ALL_REDUCE + _ALL_GATHER + _REDUCE_SCATTER),
     ],
     "job_setup": [
         ("backend hard-coded to nccl", _JOB_HEADER + _setup_with(
             'backend, device = "nccl", torch.device("cuda", local_rank)') + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
-        ("backend hard-coded to gloo on the CPU: right on this laptop, wrong on a GPU machine", _JOB_HEADER + _setup_with(
-            'backend, device = "gloo", torch.device("cpu")') + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
         ("destroy_process_group skipped on error (no finally)", _JOB_HEADER + _SETUP_RIGHT + _LOG0 + _ROUND_TRIP_RIGHT + '''
 
 def run_job(train, path, timeout_s=60.0):
@@ -228,13 +274,26 @@ def run_job(train, path, timeout_s=60.0):
     dist.destroy_process_group()
     return loaded
 '''),
-        ("no barrier between rank 0's save and the loads", _JOB_HEADER + _SETUP_RIGHT + _LOG0 + '''
+        ("the barrier before the save instead of between the save and the loads", _JOB_HEADER + _SETUP_RIGHT + _LOG0 + '''
 
 def checkpoint_round_trip(state, path, info):
+    dist.barrier()
     if info["rank"] == 0:
         torch.save(state, path)
     return torch.load(path, map_location=info["device"])
 ''' + _RUN_JOB_RIGHT),
+        ("the GPU chosen by RANK, not LOCAL_RANK (right on one node only)", _JOB_HEADER
+         + _SETUP_RIGHT.replace('torch.device(f"cuda:{local_rank}")', 'torch.device(f"cuda:{rank}")')
+         + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
+        ("one GPU per rank judged against WORLD_SIZE, not LOCAL_WORLD_SIZE", _JOB_HEADER
+         + _SETUP_RIGHT.replace("if n_gpus >= local_world:", "if n_gpus >= world:")
+         + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
+        ("no torch.cuda.set_device", _JOB_HEADER
+         + _SETUP_RIGHT.replace("    if device.type == \"cuda\":\n        torch.cuda.set_device(device)\n", "")
+         + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
+        ("the timeout hard-coded to the value the visible check passes (30 s), not timeout_s", _JOB_HEADER
+         + _SETUP_RIGHT.replace("timedelta(seconds=timeout_s)", "timedelta(seconds=30)")
+         + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
     ],
     "fix_script": [
         ("adds a barrier but keeps the mismatched order", _FIXED_HEAD + '''            if rank == 0:
@@ -247,10 +306,20 @@ def checkpoint_round_trip(state, path, info):
                 dist.barrier()
                 stop = should_stop(loss)
 ''' + _FIXED_TAIL),
+        ("stop when any rank's loss is low enough (an all-reduce of the flags with MAX)", _FIXED_HEAD + '''            if rank == 0:
+                print(f"step {step:2d}: loss on rank 0 {loss.item():.5f}", flush=True)
+            average_gradients(model, world_size)
+            flag = torch.tensor([float(loss.item() < TARGET_LOSS)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+''' + _FIXED_TAIL),
     ],
     "tool_answer": [
-        ("DETAIL, which names mismatched collectives, not a rank that runs none", '''
+        ("DETAIL: it does name the rank (its monitored barrier before every collective)", '''
 tool_answer = "a"
+'''),
+        ("monitored_barrier, which names the rank that does not arrive", '''
+tool_answer = "b"
 '''),
     ],
 }
@@ -345,6 +414,22 @@ def run_job(train, path, timeout_s=60.0):
         if dist.is_initialized():
             dist.destroy_process_group()
 '''),
+        ("device_id and set_device given as the GPU's index (an int), rank and world size read from the group",
+         _JOB_HEADER + '''
+
+def setup_distributed(timeout_s=60.0):
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    options = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if n_gpus >= local_world:
+        torch.cuda.set_device(local_rank)
+        backend, device, options["device_id"] = "nccl", torch.device("cuda", local_rank), local_rank
+    else:
+        backend, device = "gloo", torch.device("cuda:0" if n_gpus else "cpu")
+    dist.init_process_group(backend=backend, **options)
+    return {"rank": dist.get_rank(), "local_rank": local_rank, "world_size": dist.get_world_size(),
+            "backend": backend, "device": device}
+''' + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
     ],
     "fix_script": [
         ("asks rank 0's decision first on every rank, then averages", _FIXED_HEAD + '''            if rank == 0:
@@ -354,3 +439,8 @@ def run_job(train, path, timeout_s=60.0):
 ''' + _FIXED_TAIL),
     ],
 }
+
+for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
+    WRONG_ANSWERS[_exercise] = [*WRONG_ANSWERS[_exercise], *[(f"red team: {d}", s) for d, s in _answers]]
+for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
+    CORRECT_VARIANTS[_exercise] = [*CORRECT_VARIANTS.get(_exercise, []), *[(f"red team: {d}", s) for d, s in _answers]]
