@@ -33,12 +33,15 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.course.commcost`` the alpha-beta cost model, its fit, interconnects and model sizes (lab 02)
 - ``lablib.course.scaling``  lab 03's strong-scaling formulas, the explicit all-reduce and DDP's bucket timer
 - ``lablib.course.training`` lab 05's one training loop for a single process, DDP, accumulation and FSDP2
+- ``lablib.course.checkpoint_interval`` lab 10's checkpoint interval simulated (failures at random)
 - ``lablib.course.plots``    the course's matplotlib conventions and widgets
 
 ``lablib.parallel``: parallelisms applied to a plain model from outside
 - ``lablib.parallel.pipeline``        the course GPT cut into stages; a given schedule played tick by tick
 - ``lablib.parallel.tensor_parallel`` the students' classes, DTensor's ``parallelize_module`` and a 2-D mesh with FSDP2
-- ``lablib.parallel.checkpointing``   lab 10's resumable run (global sampler, per-rank RNG, faults, DCP)
+- ``lablib.parallel.checkpointing``   lab 10's resumable run: global sampler, per-rank RNG, recipe, one step
+- ``lablib.parallel.checkpoint_run``  lab 10's loop around the students' start/save: faults, log, what a run held
+- ``lablib.parallel.async_checkpoint`` ``dcp.save`` against ``dcp.async_save``: the time the job waits
 - ``lablib.parallel.activation_checkpointing``  activation checkpointing applied to a plain model
 - ``lablib.parallel.zero_states``     the model-state setups labs 04 and 07 count (DDP, ZeroRedundancyOptimizer, FSDP2)
 

@@ -1,4 +1,4 @@
-"""lablib.parallel.checkpointing and lablib.probes.fault_tolerance (lab 10) without torchrun: the sampler reshards, checkpoints are
+"""lablib.parallel.checkpointing, checkpoint_run, lablib.course.checkpoint_interval and lablib.probes.fault_tolerance (lab 10) without torchrun: the sampler reshards, checkpoints are
 found only when complete, the Monte Carlo waste agrees with Young/Daly near the optimum, and the graded checks
 name what differs."""
 
@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from lablib.parallel import checkpointing
+from lablib.course import checkpoint_interval
+from lablib.parallel import checkpoint_run, checkpointing
 from lablib import checks
 from lablib.probes import fault_tolerance as ft_probes
 
@@ -66,20 +67,20 @@ def test_only_complete_checkpoints_are_found(tmp_path):
 
 
 def test_fault_parse():
-    assert checkpointing.Fault.parse("kill:1@5", 0) == checkpointing.Fault("kill", 1, 5, 0)
+    assert checkpoint_run.Fault.parse("kill:1@5", 0) == checkpoint_run.Fault("kill", 1, 5, 0)
     for bad in ("kill:1", "boom:1@2", "kill:a@2"):
         with pytest.raises(ValueError):
-            checkpointing.Fault.parse(bad, 0)
+            checkpoint_run.Fault.parse(bad, 0)
 
 
 def test_simulated_waste_agrees_with_young_daly_near_the_optimum():
     C, M = 60.0, 3 * 3600.0
     tau = math.sqrt(2 * C * M)
     first_order = C / tau + tau / 2 / M
-    simulated = checkpointing.simulate_waste(tau, C, M, work_s=2000 * M, seed=1)
+    simulated = checkpoint_interval.simulate_waste(tau, C, M, work_s=2000 * M, seed=1)
     assert simulated == pytest.approx(first_order, rel=0.1)
-    assert checkpointing.simulate_waste(tau / 10, C, M, work_s=300 * M) > simulated
-    assert checkpointing.simulate_waste(tau * 10, C, M, work_s=300 * M) > simulated
+    assert checkpoint_interval.simulate_waste(tau / 10, C, M, work_s=300 * M) > simulated
+    assert checkpoint_interval.simulate_waste(tau * 10, C, M, work_s=300 * M) > simulated
 
 
 def _metrics():

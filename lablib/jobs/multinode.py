@@ -8,7 +8,9 @@ job (no node ranks to hand out):
     sbatch --nodes 2 launchers/slurm.sbatch zero_stages --steps 3      # Slurm: srun starts one agent per node
 
 ``launchers/multinode`` is ``python -m lablib.jobs.multinode`` in the course environment: it checks the step's options
-before anything starts, prints the torchrun command it runs (``--dry-run`` only prints it) and runs it.
+before anything starts (the step's own checks, and its ``validate_world`` for every world size ``--nnodes MIN:MAX``
+x ``--nproc-per-node`` allows: a global batch that one of them does not divide is refused on the node, not inside
+the workers), prints the torchrun command it runs (``--dry-run`` only prints it) and runs it.
 
 ``run_nodes`` starts ``nodes`` torchrun agents on 127.0.0.1, each with its own processes, as separate machines
 would (the tests use it for a world of 4 = 2 nodes x 2 processes; lab 10 uses it for elastic membership).
@@ -22,8 +24,10 @@ few seconds because the agents here send a heartbeat every second and call a nod
 whose agents then restart their workers in a larger one.
 
 Agent 0 hosts the rendezvous store (a TCPStore on the endpoint's port; ``is_host=true``, the others
-``is_host=false``), so agent 0 cannot be the one that leaves: on a cluster, the node named in ``--rdzv-endpoint``
-leaving ends the whole job. All agents start at once and import torch side by side, the others waiting for agent
+``is_host=false``; torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py, ``_create_tcp_store``), so agent 0
+cannot be the one that leaves: on a cluster, the node named in ``--rdzv-endpoint`` leaving ends the whole job. The
+c10d backend is a single point of failure; a rendezvous that survives any node needs an external, replicated
+store (``--rdzv-backend etcd-v2`` with an etcd cluster run apart from the job). All agents start at once and import torch side by side, the others waiting for agent
 0's store: had they been started only once the store was up, a node slower to start than the round's last call
 (3 s) would have begun the job without it (and then joined it, with a restart). Agent 0 is started first: the
 rendezvous numbers nodes by process id, so it is node 0 and holds rank 0.
@@ -33,6 +37,8 @@ torch 2.13 the agents otherwise share one TCPStore for every rendezvous round, a
 store's address only in the first round it leads: a node that joins a running job then waits forever (60 s, then
 fails) for a key nobody writes, while the others wait for it (``dynamic_rendezvous.py``, ``next_rendezvous``).
 With the variable set, each round's rank 0 publishes a fresh store: a node can join. Leaving works either way.
+pytorch/pytorch#135712 ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0 is not compatible with torchelastic restarts") is the
+upstream report of the shared store's failures, with this variable as its workaround.
 """
 
 from __future__ import annotations
@@ -265,6 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = launch.load_step(args.step)
         config = cfg.from_argv(module.Config, step_argv)     # a typo fails here, on the node, before torchrun
         launch.refuse_unwritten_exercises(config)
+        if hasattr(config, "validate_world"):                # every world size the job may take, before torchrun
+            low, _, high = args.nnodes.partition(":")
+            for nodes in range(int(low), int(high or low) + 1):
+                try:
+                    config.validate_world(nodes * args.nproc_per_node)
+                except ValueError as e:
+                    raise ValueError(f"{e}: with --nnodes {args.nnodes} and --nproc-per-node {args.nproc_per_node} "
+                                     f"the job may run on {nodes} node(s), world size {nodes * args.nproc_per_node}; "
+                                     f"choose sizes every world size of the job divides") from None
     except (ValueError, TypeError, OSError, cfg.ConfigError, launch.RunError, NotImplementedError) as e:
         print(f"[multinode] {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,10 @@
   metrics, or the precheck's): every step of every attempt equal to the uninterrupted run's step, bit for bit
   (loss, learning rate, the global batch it trained on), each attempt resumed from the last checkpoint before
   its fault, and steps 1..N all there. A failure names the first step that differs and what differs;
+- ``check_reshard(impl, folder, step, metrics)``: the graded reshard: the students' ``start`` at world size 1
+  (in this process) on a checkpoint that 2 FSDP2 ranks wrote; what it restores, whole, must equal what the
+  2-rank run held when it saved (lablib's own record, ``checkpoint_run.held``), bit for bit (DCP copies bytes),
+  and the next step must train the uninterrupted run's batch at its learning rate;
 - ``restart_timeline(metrics)``: per fault, where the time went (detection, new processes, start-up, building,
   loading the checkpoint, replaying the lost steps).
 The answers (the students' ``AppState``, ``start`` and ``save``) are not here.
@@ -14,13 +18,14 @@ The answers (the students' ``AppState``, ``start`` and ``save``) are not here.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-from lablib.parallel import checkpointing
+from lablib.parallel import checkpoint_run, checkpointing
 from lablib import checks
 from lablib.jobs.distenv import DistEnv
 from lablib.jobs.exercise import load_module
@@ -41,31 +46,19 @@ def precheck(impl, recipe: checkpointing.Recipe | None = None, stop_after: int =
     6 steps of a one-block GPT, stopped after step 3, resumed from step 2's checkpoint, across the epoch boundary
     after step 3).
     Returns the log as the run script returns it (for ``check_resumed``). This process's RNG states are kept."""
-    import numpy as np
-
     recipe = recipe or checkpointing.Recipe(steps=6, n_layer=1, parallel="fsdp2")
-    saved_rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
     folder = fresh_dir("precheck")
     faults = (f"stop:0@{stop_after}",)
-    try:
+    with _one_rank_group():
         try:
-            checkpointing.train(impl, recipe, env, folder, ckpt_every=ckpt_every, faults=faults, reference=True,
-                                attempt=0, announce=False)
+            checkpoint_run.train(impl, recipe, env, folder, ckpt_every=ckpt_every, faults=faults, reference=True,
+                                 attempt=0, announce=False)
             checks.check_true(False, f"the run was to stop after step {stop_after} and did not")
-        except checkpointing.Stopped:
+        except checkpoint_run.Stopped:
             pass
-        checkpointing.train(impl, recipe, env, folder, ckpt_every=ckpt_every, faults=faults, attempt=1, announce=False)
-    finally:
-        if owned:
-            dist.destroy_process_group()
-        torch.set_rng_state(saved_rng[0])
-        random.setstate(saved_rng[1])
-        np.random.set_state(saved_rng[2])
-    log = checkpointing.RunLog(folder, 0).read()
+        checkpoint_run.train(impl, recipe, env, folder, ckpt_every=ckpt_every, faults=faults, attempt=1, announce=False)
+    log = checkpoint_run.RunLog(folder, 0).read()
     return {"reference": [r for r in log if r["kind"] == "reference"],
             "steps": [r for r in log if r["kind"] == "step"],
             "attempts": [r for r in log if r["kind"] == "attempt"],
@@ -80,14 +73,15 @@ def check_resumed(metrics, faults=None, ckpt_every: int | None = None, where: st
     steps = sorted(reference)
     checks.check_true(bool(steps) and steps == list(range(1, len(steps) + 1)),
                       f"{where}: the uninterrupted reference steps are {steps}, expected 1..N")
-    faults = [checkpointing.Fault.parse(f, i) for i, f in enumerate(faults)] if faults is not None else [
-        checkpointing.Fault(f["kind"], f["rank"], f["step"], f["attempt"]) for f in metrics["faults"]]
+    faults = [checkpoint_run.Fault.parse(f, i) for i, f in enumerate(faults)] if faults is not None else [
+        checkpoint_run.Fault(f["kind"], f["rank"], f["step"], f["attempt"]) for f in metrics["faults"]]
     attempts = metrics["attempts"]
     checks.check_equal(len(attempts), len(faults) + 1, f"{where}: attempts (one per fault, then the one that finished)",
                        hint="a fault that was not played, or an attempt that failed: read the output above")
     for a in attempts[1:]:
         fault = faults[a["attempt"] - 1]
-        last_ckpt = fault.step // ckpt_every * ckpt_every
+        # a save cut short by a kill left no .metadata: the one before it is the last complete checkpoint
+        last_ckpt = (fault.step - (fault.kind == "savekill")) // ckpt_every * ckpt_every
         checks.check_equal(a["resumed_step"], last_ckpt,
                            f"{where}: attempt {a['attempt']} after the fault after step {fault.step}: the step start() "
                            f"resumed at (state.step; the last checkpoint was written after step {last_ckpt})",
@@ -121,6 +115,74 @@ def check_resumed(metrics, faults=None, ckpt_every: int | None = None, where: st
         mine = [r["step"] for r in records if r["attempt"] == a["attempt"]]
         checks.check_equal(mine, list(range(a["resumed_step"] + 1, len(steps) + 1))[:len(mine)],
                            f"{where}: the steps attempt {a['attempt']} trained")
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo group of one in this process (unless one is there) for the students' code; this process's RNG states
+    (torch, Python's, numpy's) are put back afterwards, and the group is destroyed if this made it."""
+    import numpy as np
+
+    saved_rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if owned:
+            dist.destroy_process_group()
+        torch.set_rng_state(saved_rng[0])
+        random.setstate(saved_rng[1])
+        np.random.set_state(saved_rng[2])
+
+
+def check_reshard(impl, folder, step: int, metrics, recipe: checkpointing.Recipe | None = None) -> dict:
+    """The students' ``start`` at world size 1 on the checkpoint of ``step`` in ``folder`` (written by more ranks):
+    weights, AdamW's state, step, schedule and sampler equal to what the writing run held (bit for bit), and the
+    next step trains the uninterrupted run's next batch (``metrics``: that run's log) at its learning rate.
+    Returns what was compared (for the notebook). This process's RNG states are kept."""
+    recipe = recipe or checkpointing.Recipe()
+    source = checkpointing.checkpoint_dir(folder, step)
+    truth = torch.load(checkpoint_run.held_file(folder, step), weights_only=False)
+    written_by = {a["world_size"] for a in metrics["attempts"]}
+    where = f"resumed at 1 rank from the checkpoint of step {step} written by {sorted(written_by)} FSDP2 ranks"
+    with _one_rank_group():
+        parts = checkpointing.build(recipe, "cpu", 1, 0, checkpointing.tokens())
+        try:
+            state = impl.start(parts.model, parts.shard, parts.make_optimizer, parts.make_scheduler, parts.sampler,
+                               str(source))
+        except Exception as e:  # noqa: BLE001 - the student's load failing is the finding
+            checks.check_true(False, f"{where}: start() raised {type(e).__name__}: {str(e)[:400]}",
+                              hint="a checkpoint must be readable at another world size: save the model's and the "
+                                   "optimizer's state with get_state_dict (DTensor shards, keyed by parameter "
+                                   "name) through dcp.save, not per-rank files or per-rank keys")
+        now = checkpoint_run.held(state.model, state.optimizer, state.scheduler, state.sampler, state.step)
+        checks.check_equal(now["step"], truth["step"], f"{where}: state.step")
+        checks.check_equal(sorted(now["weights"]), sorted(truth["weights"]), f"{where}: the parameters")
+        for name, w in truth["weights"].items():
+            got = now["weights"][name]
+            checks.check_true(got.shape == w.shape and torch.equal(got, w),
+                              f"{where}: weight {name!r} differs from the 2-rank run's at step {step}"
+                              + (f" (max |diff| {(got - w).abs().max().item():.3g})" if got.shape == w.shape else
+                                 f" (shape {tuple(got.shape)}, expected {tuple(w.shape)})"),
+                              hint="the model's state must be saved so that DCP can reshard it (get_state_dict: "
+                                   "DTensor shards with their offsets) and loaded at the new world size")
+            for key, v in truth["optimizer"][name].items():
+                mine = now["optimizer"][name].get(key)
+                ok = mine is not None and (torch.equal(mine, v) if torch.is_tensor(v) else mine == v)
+                checks.check_true(ok, f"{where}: AdamW's {key!r} of {name!r} differs from the 2-rank run's",
+                                  hint="the optimizer's state (get_state_dict's second value) must come back whole "
+                                       "at another world size")
+        checks.check_equal(now["last_epoch"], truth["last_epoch"], f"{where}: the scheduler's last_epoch")
+        checks.check_equal(now["lr"], truth["lr"], f"{where}: the learning rate")
+        checks.check_equal(now["sampler"], truth["sampler"], f"{where}: the sampler's (epoch, position)")
+        record = checkpointing.train_step(state.model, state.optimizer, state.scheduler, state.sampler,
+                                          parts.token_ids, recipe, "cpu")
+    ref = {r["step"]: r for r in metrics["reference"]}[step + 1]
+    checks.check_equal(record["batch"], ref["batch"], f"{where}: the global batch of step {step + 1}")
+    checks.check_equal(record["lr"], ref["lr"], f"{where}: the learning rate of step {step + 1}")
+    return {"step": step, "parameters": len(truth["weights"]), "loss": record["loss"], "uninterrupted": ref["loss"]}
 
 
 def max_abs_diff(metrics) -> float:

@@ -4,12 +4,17 @@
         --impl ft_impl.py --ckpt-dir /tmp/ckpt --faults kill:1@5 --reference true --out out.json
 
 Every attempt (torchrun restarts the whole group after a rank fails; ``TORCHELASTIC_RESTART_COUNT`` numbers them)
-runs ``lablib.parallel.checkpointing.train``: the students' ``start`` restores the latest complete checkpoint in
+runs ``lablib.parallel.checkpoint_run.train``: the students' ``start`` restores the latest complete checkpoint in
 ``ckpt_dir`` (or ``resume_from`` on the first attempt), the loop trains to ``steps`` and calls the students' ``save``
 every ``ckpt_every`` steps, rank 0 prints "checkpoint saved at step N" after each, and fault i of ``faults``
-(``kill:RANK@STEP`` or ``hang:RANK@STEP``) is played on attempt i. With ``reference``, attempt 0 first trains the
+(``kill:RANK@STEP``, ``hang:RANK@STEP``, or ``savekill:RANK@STEP``: killed in the middle of that step's save) is
+played on attempt i. With ``reference``, attempt 0 first trains the
 same run uninterrupted with lablib's own parts. The world size may differ between attempts (DDP: the sampler's
 position is global). Everything is logged in ``ckpt_dir``; the last attempt returns the whole log.
+
+A ``ckpt_dir`` that already holds a complete checkpoint is resumed from, on the first attempt too (rank 0 says so):
+that is what makes a restarted job go on, and what makes a reused folder continue an old run instead of starting
+a new one. Give each new run a fresh folder.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lablib.parallel import checkpointing
+from lablib.parallel import checkpoint_run, checkpointing
 from lablib.jobs import distenv, script
 from lablib.jobs.exercise import load_module, require_file
 
@@ -38,14 +43,16 @@ class Config(checkpointing.Recipe):
         if self.steps < 1 or self.ckpt_every < 1:
             raise ValueError(f"steps={self.steps} and ckpt_every={self.ckpt_every} must be at least 1")
         for i, text in enumerate(self.faults):
-            fault = checkpointing.Fault.parse(text, i)
+            fault = checkpoint_run.Fault.parse(text, i)
             if not 1 <= fault.step <= self.steps:
                 raise ValueError(f"fault {text!r}: step {fault.step} is outside 1..{self.steps}")
+            if fault.kind == "savekill" and fault.step % self.ckpt_every:
+                raise ValueError(f"fault {text!r}: step {fault.step} writes no checkpoint (ckpt_every={self.ckpt_every})")
         require_file(self.impl)
 
     def validate_world(self, world_size: int) -> None:
         for text in self.faults:
-            rank = checkpointing.Fault.parse(text, 0).rank
+            rank = checkpoint_run.Fault.parse(text, 0).rank
             if rank >= world_size:
                 raise ValueError(f"fault {text!r}: rank {rank} does not exist with {world_size} ranks")
         if self.global_batch % world_size:
@@ -55,15 +62,15 @@ class Config(checkpointing.Recipe):
 def run(env, config: Config) -> dict:
     impl = load_module(config.impl, ("AppState", "start", "save"))
     recipe = checkpointing.Recipe(**{f.name: getattr(config, f.name) for f in dataclasses.fields(checkpointing.Recipe)})
-    checkpointing.train(impl, recipe, env, config.ckpt_dir, ckpt_every=config.ckpt_every, faults=config.faults,
+    checkpoint_run.train(impl, recipe, env, config.ckpt_dir, ckpt_every=config.ckpt_every, faults=config.faults,
                         resume_from=config.resume_from, reference=config.reference, save_wait_s=config.save_wait_s)
-    log = checkpointing.RunLog(config.ckpt_dir, env.rank).read()
+    log = checkpoint_run.RunLog(config.ckpt_dir, env.rank).read()
     return {"attempt": distenv.restart_attempt(),
             "reference": [r for r in log if r["kind"] == "reference"],
             "steps": [r for r in log if r["kind"] == "step"],
             "attempts": [r for r in log if r["kind"] == "attempt"],
             "saves": [r for r in log if r["kind"] == "save"],
-            "faults": checkpointing.faults_seen(config.ckpt_dir)}
+            "faults": checkpoint_run.faults_seen(config.ckpt_dir)}
 
 
 def main() -> None:

@@ -31,6 +31,11 @@ WRONG_ANSWERS = {
         ("the random generators are saved but not restored", _changed("app_state", (_RESTORE_RNG, ""))),
         ("Python's random is not restored (torch's is): the windows' shifts differ", _changed(
             "app_state", ('            random.setstate(rng["python"])\n', ""))),
+        ("numpy's generator is not restored: the token noise differs", _changed(
+            "app_state", ('            np.random.set_state(rng["numpy"])\n', ""))),
+        ("numpy's generator is never saved (torch's, Python's and CUDA's are)", _changed(
+            "app_state", ('"numpy": np.random.get_state(),\n               ', ""),
+                         ('            np.random.set_state(rng["numpy"])\n', ""))),
         ("the learning-rate schedule is not restored: warm-up starts again", _changed(
             "app_state", ('        self.scheduler.load_state_dict(state["scheduler"])\n', ""))),
         ("the step counter is not restored: the run trains from step 1 again", _changed(
@@ -42,6 +47,37 @@ WRONG_ANSWERS = {
         dcp.load({"app": state}, checkpoint_id=checkpoint)
     state.model = shard(model)
 '''))),
+        # Caught only by the reshard (2 ranks saved, 1 rank resumes): exact at the same world size
+        ("model and optimizer saved under per-rank keys (each rank's shards): exact at 2 ranks, unreadable at 1",
+         _changed("app_state",
+                  ('        return {"model": model_state, "optimizer": optimizer_state,',
+                   '        r = torch.distributed.get_rank()\n'
+                   '        return {f"model{r}": {k: v.to_local() for k, v in model_state.items()},\n'
+                   '                f"optimizer{r}": optimizer_state,'),
+                  ('        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],\n'
+                   '                       optim_state_dict=state["optimizer"])\n',
+                   '        r = torch.distributed.get_rank()\n'
+                   '        local = dict(self.model.state_dict())\n'
+                   '        for k, v in state[f"model{r}"].items():\n'
+                   '            local[k].to_local().copy_(v)\n'
+                   '        set_state_dict(self.model, self.optimizer, model_state_dict=local,\n'
+                   '                       optim_state_dict=state[f"optimizer{r}"])\n'))),
+        ("model and optimizer in per-rank torch.save files beside DCP's checkpoint: exact at 2 ranks, not resharded",
+         _changed("app_state",
+                  ('        return {"model": model_state, "optimizer": optimizer_state,',
+                   '        return {'),
+                  ('        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],\n'
+                   '                       optim_state_dict=state["optimizer"])\n', ''),
+                  ('        dcp.load({"app": state}, checkpoint_id=checkpoint)   # every rank reads its own shards\n',
+                   '        dcp.load({"app": state}, checkpoint_id=checkpoint)   # every rank reads its own shards\n'
+                   '        r = torch.distributed.get_rank()\n'
+                   '        model_state, optimizer_state = torch.load(f"{checkpoint}/rank{r}.pt", weights_only=False)\n'
+                   '        set_state_dict(state.model, state.optimizer, model_state_dict=model_state,\n'
+                   '                       optim_state_dict=optimizer_state)\n'),
+                  ('    dcp.save({"app": state}, checkpoint_id=checkpoint)\n',
+                   '    dcp.save({"app": state}, checkpoint_id=checkpoint)\n'
+                   '    r = torch.distributed.get_rank()\n'
+                   '    torch.save(get_state_dict(state.model, state.optimizer), f"{checkpoint}/rank{r}.pt")\n'))),
         # Caught only on 2 real ranks (one torchrun start each):
         ("saves on rank 0 only (as with torch.save): DCP's save is a collective, the other rank's shards are never written",
          _changed("app_state", ('    dcp.save({"app": state}, checkpoint_id=checkpoint)\n',
@@ -55,6 +91,10 @@ WRONG_ANSWERS = {
             "young_daly", ("    return component_mtbf_s / n_components\n", "    return component_mtbf_s\n"))),
         ("a failure loses the whole interval, not half of it on average", _changed(
             "young_daly", ("(interval_s / 2.0 + restart_s) / mtbf_s", "(interval_s + restart_s) / mtbf_s"))),
+        ("Daly's interval without its '- C'", _changed(
+            "young_daly", ("    return math.sqrt(2.0 * checkpoint_s * mtbf_s)\n",
+                           "    r = checkpoint_s / (2.0 * mtbf_s)\n"
+                           "    return math.sqrt(2.0 * checkpoint_s * mtbf_s) * (1 + math.sqrt(r) / 3 + r / 9)\n"))),
         ("the restart cost is left out of the overhead", _changed(
             "young_daly", ("(interval_s / 2.0 + restart_s) / mtbf_s", "(interval_s / 2.0) / mtbf_s"))),
     ],
@@ -72,5 +112,13 @@ _RNG_PER_KEY = _changed(
 CORRECT_VARIANTS = {
     "app_state": [
         ("each rank's generators under a key of its own instead of per_rank (fine at a fixed world size)", _RNG_PER_KEY),
+    ],
+    "young_daly": [
+        ("Daly's higher-order interval instead of Young's", _changed(
+            "young_daly", ("    return math.sqrt(2.0 * checkpoint_s * mtbf_s)\n",
+                           "    if checkpoint_s >= 2.0 * mtbf_s:\n"
+                           "        return mtbf_s\n"
+                           "    r = checkpoint_s / (2.0 * mtbf_s)\n"
+                           "    return math.sqrt(2.0 * checkpoint_s * mtbf_s) * (1 + math.sqrt(r) / 3 + r / 9) - checkpoint_s\n"))),
     ],
 }
