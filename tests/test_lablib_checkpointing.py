@@ -68,6 +68,7 @@ def test_only_complete_checkpoints_are_found(tmp_path):
 
 def test_fault_parse():
     assert checkpoint_run.Fault.parse("kill:1@5", 0) == checkpoint_run.Fault("kill", 1, 5, 0)
+    assert checkpoint_run.Fault.parse("savekill:0@4", 1) == checkpoint_run.Fault("savekill", 0, 4, 1)
     for bad in ("kill:1", "boom:1@2", "kill:a@2"):
         with pytest.raises(ValueError):
             checkpoint_run.Fault.parse(bad, 0)
@@ -118,3 +119,43 @@ def test_restart_timeline_splits_the_time_lost():
     assert t["parts"] == pytest.approx({"detect": 0.1, "new processes": 0.9, "start-up": 2.0, "build": 0.5,
                                         "load": 0.5, "replay": 1.0})
     assert t["lost_s"] == pytest.approx(5.0)
+
+
+def test_the_data_draws_from_python_and_numpy(monkeypatch):
+    """Every generator of the contract matters: the shifts come from Python's random, the token noise from numpy's."""
+    import random
+
+    import numpy as np
+    import torch
+
+    token_ids = torch.arange(2000) % checkpointing.VOCAB_SIZE
+    recipe = checkpointing.Recipe(block_size=8)
+
+    def draw(py_seed, np_seed):
+        random.seed(py_seed)
+        np.random.seed(np_seed)
+        return checkpointing.windows(token_ids, [0, 1, 2, 3], recipe, "cpu")
+
+    x, y = draw(1, 1)
+    assert torch.equal(torch.cat(draw(1, 1)), torch.cat((x, y)))
+    assert not torch.equal(draw(1, 2)[0], x) and torch.equal(draw(1, 2)[1], y)      # numpy: the inputs' noise only
+    assert not torch.equal(draw(2, 1)[1], y)                                          # Python: the shifts
+    clean = checkpointing.Recipe(block_size=8, jitter=False)
+    x0, y0 = checkpointing.windows(token_ids, [0, 1], clean, "cpu")
+    assert torch.equal(x0[:, 1:], y0[:, :-1])
+
+
+def test_held_is_the_whole_state_by_parameter_name():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    sampler = checkpointing.ResumableSampler(24, 8, 1, 0)
+    held = checkpoint_run.held(model, opt, sched, sampler, 1)
+    assert sorted(held["weights"]) == ["0.bias", "0.weight"]
+    assert torch.equal(held["weights"]["0.weight"], model[0].weight.detach())
+    assert set(held["optimizer"]["0.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert held["sampler"] == {"epoch": 0, "position": 0} and held["step"] == 1

@@ -105,6 +105,15 @@ def test_the_node_command_checks_its_arguments_before_starting_anything():
                                       "h:1", "--", "--impl", "nowhere/ft_impl.py", "--ckpt_dir", "ckpt"],
                                capture_output=True, text=True, cwd=REPO, timeout=60)
     assert no_module.returncode == 2 and "exercise module nowhere/ft_impl.py does not exist" in no_module.stderr
+    impl = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    impl.write("class AppState: pass\ndef start(*a): pass\ndef save(*a): pass\n")
+    impl.close()
+    # a global batch of 8 on 1..3 nodes of 1: world size 3 does not divide it, refused before torchrun starts
+    uneven = subprocess.run(run + ["fault_tolerance", "--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-endpoint",
+                                   "h:1", "--dry-run", "--", "--impl", impl.name, "--ckpt_dir", "ckpt"],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert uneven.returncode == 2 and "world size 3" in uneven.stderr and "torch.distributed.run" not in uneven.stderr
+    os.unlink(impl.name)
 
 
 def test_run_nodes_refuses_a_leave_the_job_cannot_survive():
