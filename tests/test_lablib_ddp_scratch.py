@@ -12,6 +12,7 @@ import pytest
 from lablib.jobs import config as cfg
 from lablib.jobs import launch
 from lablib.probes import ddp as ddp_probes
+from lablib.probes import ddp_order
 from lablib.runs import ddp_overlap, ddp_scratch
 
 HOOKED = '''
@@ -81,8 +82,50 @@ def test_probe_fails_an_all_reduce_after_backward(tmp_path):
     impl, _ = _impl(tmp_path, AFTER_BACKWARD, "after_impl.py")
     r = ddp_probes.probe_without_processes(impl, "individual", ("mlp",))[0]
     assert r["error"] is None and r["max_abs_diff_vs_single_process"] < 1e-6   # right numbers...
-    with pytest.raises(AssertionError, match="launched before loss.backward"):  # ...no overlap
+    with pytest.raises(AssertionError, match="overlap"):                         # ...no overlap
         ddp_probes.check_probe(r, "individual")
+
+
+WAIT_IN_HOOK = HOOKED.replace("self.pending.append(dist.all_reduce(p.grad, async_op=True))",
+                              "self.pending.append(dist.all_reduce(p.grad, async_op=True))\n"
+                              "            self.pending[-1].get_future().wait()")
+FROM_LAST_HOOK = HOOKED.replace("""        def hook(p):
+            p.grad.mul_(1.0 / n)
+            self.pending.append(dist.all_reduce(p.grad, async_op=True))""", """        first = next(q for q in module.parameters() if q.requires_grad)
+
+        def hook(p):
+            if p is not first:
+                return
+            for q in module.parameters():
+                if q.grad is not None:
+                    q.grad.mul_(1.0 / n)
+                    self.pending.append(dist.all_reduce(q.grad, async_op=True))""")
+
+
+@pytest.mark.parametrize("source, message", [(WAIT_IN_HOOK, "wait\\(\\) call"), (FROM_LAST_HOOK, "overlap: all-reduce 0")])
+def test_probe_fails_launches_that_do_not_overlap(tmp_path, source, message):
+    """Async and launched before backward() returned, yet nothing overlaps: a wait in the hook, or every
+    all-reduce launched from the last hook. The order of events tells."""
+    impl, _ = _impl(tmp_path, source, "late_impl.py")
+    r = ddp_probes.probe_without_processes(impl, "individual", ("mlp",))[0]
+    assert r["error"] is None and r["max_abs_diff_vs_single_process"] < 1e-6
+    with pytest.raises(AssertionError, match=message):
+        ddp_probes.check_probe(r, "individual")
+
+
+def test_bucket_order_rule_on_a_record():
+    """Readiness order differs from bucket order: bucket 1's gradient is final first, bucket 0's second. In index
+    order both go right after the second gradient; launching bucket 1 first breaks the order."""
+    step = {"ready": [(1.0, 1), (2.0, 0)], "backward_done": 3.0, "waits_in_backward": 0}
+    buckets, sizes = [[0], [1]], [40, 8]
+    assert ddp_order.bucket_problems({**step, "bytes": [40, 8], "launched": [2.1, 2.2]}, buckets, sizes, 2) == []
+    assert "index order" in ddp_order.bucket_problems({**step, "bytes": [8, 40], "launched": [1.1, 2.1]},
+                                                      buckets, sizes, 2)[0]
+    late = ddp_order.bucket_problems({**step, "bytes": [40, 8], "launched": [2.1, 3.5]}, buckets, sizes, 2)
+    assert "bucket 1" in late[0]
+    # one usage map (2 flags, 4 bytes each) anywhere is allowed, a second extra all-reduce is not
+    assert ddp_order.split_usage_map([40, 8, 8], sizes, 2) == ([0, 1], 2)
+    assert ddp_order.split_usage_map([40, 8, 8, 8], sizes, 2) == ([], None)
 
 
 def test_probe_reports_a_stub_as_an_error(tmp_path):
@@ -139,3 +182,14 @@ def test_exercise_3_does_not_depend_on_exercise_2(tmp_path):
     assert impl.DDPBucketed(None, 1.0).buckets == [[0]]
     with pytest.raises(SyntaxError):
         ddp_probes.load_impl(str(tmp_path / "bucketed_impl.py"))
+
+
+def test_exercise_3_may_import_the_module_of_exercise_2(tmp_path):
+    """``import buckets_impl`` then ``buckets_impl.assign_buckets(...)`` reaches PyTorch's assignment and is recorded."""
+    (tmp_path / "bucketed_impl.py").write_text(
+        "import buckets_impl\n\n\nclass DDPBucketed:\n    def __init__(self, module, cap):\n"
+        "        self.buckets = buckets_impl.assign_buckets([4, 40], cap)\n")
+    impl = ddp_probes.load_bucketed_impl(str(tmp_path / "bucketed_impl.py"))
+    calls = []
+    ddp_probes._use_torch_assignment(impl, calls)
+    assert impl.DDPBucketed(None, 1.0).buckets == [[0, 1]] and calls[0]["param_bytes"] == [4, 40]

@@ -5,14 +5,9 @@
 Four parts, one torchrun start, every variant trained from the same initial weights on the same batches
 (Tiny Shakespeare, each rank its contiguous half of every global batch):
 
-- ``timeline``: one step of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP, per rank, from
-  perf_counter timestamps taken in the run: each block's backward (module backward hooks) and each
-  all-reduce's launch and completion (``lablib.measure.counting`` for the students' classes, a communication
-  hook, ``scaling.BucketTimer``, for DDP's). The overlap fraction uses DDP's own definition (its reducer's
-  timer, reported by ``_get_ddp_logging_data()``): communication runs from the first all-reduce's launch to
-  the last one's completion; the part of it before the backward's compute ended (the last gradient became
-  final) is hidden. PyTorch's numbers for
-  its own run are read from the reducer after 10 iterations (its logger averages iterations 1-10).
+- ``timeline``: one step of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP, per rank
+  (``lablib.measure.ddp_timeline``: perf_counter on the CPU, a profiler trace on GPUs), and the hidden fraction
+  by DDP's own definition, next to what DDP's reducer reports about itself (its iterations 1-10).
 - ``sweep``: median step time of ``DDPBucketed`` at bucket caps from one bucket per parameter to one bucket,
   all caps taking turns step by step, with the parts the alpha-beta model needs measured in the same run:
   forward, backward and optimizer time with no communication, and standalone all-reduces of several sizes.
@@ -38,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib.course import commcost, data, scaling
 from lablib.measure import counting, timing
+from lablib.measure.ddp_timeline import BlockTimes, overlap_fraction, record_step  # noqa: F401 - overlap_fraction: interface
 from lablib.jobs import script
 from lablib.jobs import config as cfg
 from lablib.jobs.exercise import require_file
@@ -135,27 +131,6 @@ def train_step(model, optimizer, batch) -> float:
 
 # --- timeline ----------------------------------------------------------------------------------------------------
 
-class BlockTimes:
-    """Backward start and end of the GPT's head and blocks (full backward hooks), perf_counter seconds."""
-
-    def __init__(self, gpt: GPT):
-        self.spans: dict[str, list[float]] = {}
-        named = [("head", gpt.lm_head)] + [(f"block {i}", b) for i, b in enumerate(gpt.h)]
-        for name, module in named:
-            module.register_full_backward_pre_hook(lambda m, g, name=name: self.spans.__setitem__(name, [time.perf_counter()]))
-            module.register_full_backward_hook(lambda m, gi, go, name=name: self.spans[name].append(time.perf_counter()))
-
-
-def overlap_fraction(comm: list[tuple[float, float]], compute_end: float) -> float:
-    """DDP's definition (its reducer's timer): communication spans the first launch .. the last completion;
-    the part of it before the backward's compute ended (the last gradient became final) is hidden.
-    0 when nothing ran during the backward's compute, 1 when all of it did."""
-    start, end = min(c[0] for c in comm), max(c[1] for c in comm)
-    if end <= start:
-        return 1.0
-    return max(0.0, min(end, compute_end) - start) / (end - start)
-
-
 def timeline(env, config: Config, impl, batches: Batches) -> dict:
     out = {}
     for variant in ("individual", "bucketed", "ddp"):
@@ -184,30 +159,11 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
             if bucket_timer is not None:
                 bucket_timer.start_step()
             timing.barrier(env.device)
-            with counting.count_collectives(recorder):
-                t0 = time.perf_counter()
-                loss = model(*batch)[1]
-                t_forward = time.perf_counter()
-                loss.backward()
-                t_backward = time.perf_counter()
-                finish(model)
-                t_finish = time.perf_counter()
-            optimizer.step()
-            t_end = time.perf_counter()
-            if bucket_timer is not None:
-                comm = [(a, b, n) for a, b, n, _ in bucket_timer.spans]
-            else:
-                comm = [(c.launched_s, c.done_s or t_finish, c.bytes) for c in recorder.calls
-                        if c.name == "all_reduce"]
-            compute_end = max(grad_ready)
-            steps.append({"forward": [0.0, t_forward - t0], "backward_end": t_backward - t0,
-                          "compute_end": compute_end - t0,
-                          "finish_end": t_finish - t0, "end": t_end - t0,
-                          "blocks": {k: [v[0] - t0, v[-1] - t0] for k, v in blocks.spans.items()},
-                          "comm": [(a - t0, b - t0, n) for a, b, n in comm],
-                          "overlap_fraction": overlap_fraction(comm, compute_end)})
+            steps.append(record_step(env, model, batch, lambda: finish(model), optimizer, recorder, grad_ready,
+                                     blocks, bucket_timer))
         timed = steps[1:]                      # iteration 0 builds buckets and warms caches
-        mine = {"median_overlap_fraction": statistics.median(s["overlap_fraction"] for s in timed),
+        mine = {"clock": "gpu profiler trace" if env.device.type == "cuda" else "cpu perf_counter",
+                "median_overlap_fraction": statistics.median(s["overlap_fraction"] for s in timed),
                 "step": timed[len(timed) // 2], "rank_median_step_s": statistics.median(s["end"] for s in timed)}   # this rank's own: the timeline is per rank
         if variant == "ddp":
             logged = model._get_ddp_logging_data()   # what DDP's logger reports about itself (ns)

@@ -5,7 +5,7 @@
 
 One torchrun start checks several world sizes: the job has max(world_sizes) processes, and for world size
 n the first n ranks form a group of their own that stands in as the default group while the student's
-class runs (``ddp_probes.default_group``), so code written for ``dist.all_reduce(t)`` without a group
+class runs (``ddp_probes.default_group``; the full world size gets its own group too), so code written for ``dist.all_reduce(t)`` without a group
 argument runs on n ranks; the other ranks wait at the next barrier (lab 03 takes turns the same way). What
 each rank does and records is ``lablib.probes.ddp.probe_case``.
 """
@@ -13,12 +13,16 @@ each rank does and records is ``lablib.probes.ddp.probe_case``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from lablib.jobs import script
 from lablib.probes.ddp import CASES, WRAPPERS, load_bucketed_impl, load_impl, probe_case
 from lablib.jobs.exercise import require_file
+
+
+GROUP_TIMEOUT_S = 60   # a collective of the student's class on a case's group: an error after this, never a hang
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -56,8 +60,10 @@ class Config:
 def run(env, config: Config) -> dict:
     impl = load_bucketed_impl(config.impl) if config.wrapper == "bucketed" else \
         load_impl(config.impl, required=(WRAPPERS[config.wrapper],))
-    # Every rank creates every group in the same order (new_group is collective).
-    groups = {n: dist.new_group(list(range(n))) if n < env.world_size else None for n in config.world_sizes}
+    # Every rank creates every group in the same order (new_group is collective). A group of its own for every
+    # world size, the full one too: a wrong answer whose ranks issue mismatched all-reduces may leave its group
+    # broken, never the default group the barriers use; its timeout turns a hang into an error within a minute.
+    groups = {n: dist.new_group(list(range(n)), timeout=timedelta(seconds=GROUP_TIMEOUT_S)) for n in config.world_sizes}
     results = {}
     for i, n in enumerate(config.world_sizes):
         for case in config.cases:

@@ -1,10 +1,14 @@
 """Wrong answers for lab 06 (see tests/wrong_answers/__init__.py).
 
-Each is the solution's own cell with one mistake put in (``_changed`` checks that the text it replaces is
-there, so a change to the solution cannot silently turn a wrong answer into the right one).
+Most are the solution's own cell with one mistake put in (``_changed`` checks that the text it replaces is
+there, so a change to the solution cannot silently turn a wrong answer into the right one); the red team's,
+written from the released notebook alone, come from ``redteam_06_ddp_from_scratch.py`` beside this file.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 from wrong_answers import SolutionCells
 
@@ -12,20 +16,35 @@ LAB = "06_ddp_from_scratch"
 _cells = SolutionCells(LAB)
 _solution, _changed = _cells.source, _cells.changed
 
+_spec = importlib.util.spec_from_file_location("redteam_06", Path(__file__).with_name("redteam_06_ddp_from_scratch.py"))
+_redteam = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_redteam)
+
+
+def _red(exercise: str, answers) -> list[tuple[str, str]]:
+    return [(f"red team: {description}", source) for description, source in answers[exercise]]
+
 
 _HOOK_LOOP = '''        for param in module.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._grad_ready)'''
 
+_MARK_UNUSED = '''        if torch.is_grad_enabled():                        # unused parameters are ready now: no hook will come
+            reached = reached_parameters(output)
+            for i, p in enumerate(self.params):
+                if id(p) not in reached:
+                    self._mark_ready(i)
+'''
+_IN_ORDER = '''        while self.next_bucket < len(self.buckets) and self.waiting[self.next_bucket] == 0:
+            self._launch(self.next_bucket)
+            self.next_bucket += 1
+'''
+
 WRONG_ANSWERS = {
     "ddp_individual": [
-        ("sums the gradients instead of averaging them", _changed(
-            "ddp_individual", ("        param.grad.div_(self.world_size)           # the sum over ranks of grad / N is the mean\n", ""))),
         ("broadcasts only the trainable parameters (frozen ones and buffers keep each rank's own values)", _changed(
             "ddp_individual", ("for tensor in [*module.parameters(), *module.buffers()]:",
                                "for tensor in [p for p in module.parameters() if p.requires_grad]:"))),
-        ("broadcasts the parameters but not the buffers", _changed(
-            "ddp_individual", ("for tensor in [*module.parameters(), *module.buffers()]:", "for tensor in module.parameters():"))),
         ("all-reduces after the backward, in finish_gradient_synchronization: right numbers, no overlap", _changed(
             "ddp_individual", (_HOOK_LOOP, "        pass"),
             ("        for handle in self.handles:",
@@ -33,79 +52,83 @@ WRONG_ANSWERS = {
              "            if param.grad is not None:\n"
              "                self._grad_ready(param)\n"
              "        for handle in self.handles:"))),
-        ("a blocking all-reduce inside the hook (no async_op): the backward waits for every all-reduce", _changed(
-            "ddp_individual", ("        self.handles.append(dist.all_reduce(param.grad, async_op=True))",
-                               "        dist.all_reduce(param.grad)"))),
+        ("launches every all-reduce from the last hook (the first parameter's): async, before backward() returns, "
+         "but nothing overlaps", _changed(
+            "ddp_individual",
+            ("        param.grad.div_(self.world_size)           # the sum over ranks of grad / N is the mean\n"
+             "        self.handles.append(dist.all_reduce(param.grad, async_op=True))\n",
+             "        first = next(p for p in self.module.parameters() if p.requires_grad)\n"
+             "        if param is not first:\n"
+             "            return\n"
+             "        for p in self.module.parameters():\n"
+             "            if p.grad is not None:\n"
+             "                p.grad.div_(self.world_size)\n"
+             "                self.handles.append(dist.all_reduce(p.grad, async_op=True))\n"))),
         ("hooks registered per module (recurse=False): a tied weight is all-reduced twice", _changed(
             "ddp_individual", ("        for param in module.parameters():\n            if param.requires_grad:",
                                "        for param in [p for m in module.modules() for p in m.parameters(recurse=False)]:\n"
                                "            if param.requires_grad:"))),
+        *_red("ddp_individual", _redteam.WRONG_ANSWERS),
     ],
     "assign_buckets": [
-        ("closes a bucket once it reaches the cap (DDP's rule): a large parameter joins a partly filled bucket", _changed(
-            "assign_buckets",
-            ("        if current and filled + size > cap:        # does not fit: close the bucket, start a new one\n"
-             "            buckets.append(current)\n            current, filled = [], 0\n        current.append(i)\n"
-             "        filled += size\n",
-             "        current.append(i)\n        filled += size\n        if filled >= cap:\n"
-             "            buckets.append(current)\n            current, filled = [], 0\n"))),
         ("a bucket may not reach the cap exactly (>= instead of >)", _changed(
             "assign_buckets", ("if current and filled + size > cap:", "if current and filled + size >= cap:"))),
-        ("counts MB as 10**6 bytes, not MiB", _changed("assign_buckets", ("cap = bucket_size_mb * MIB", "cap = bucket_size_mb * 1e6"))),
-        ("returns the buckets last first", _changed("assign_buckets", ("    return buckets\n", "    return buckets[::-1]\n"))),
         ("after a parameter larger than the cap, the next ones join its bucket", _changed(
             "assign_buckets", ("        current.append(i)\n        filled += size\n",
                                "        current.append(i)\n        filled += size if size <= cap else 0\n"))),
+        *_red("assign_buckets", _redteam.WRONG_ANSWERS),
     ],
     "ddp_bucketed": [
-        ("sums the gradients instead of averaging them", _changed(
-            "ddp_bucketed", ("flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)",
-                             "flat = torch.cat([g.reshape(-1) for g in grads])"))),
+        ("launches each bucket when it is complete, not in index order (the old contract's solution)", _changed(
+            "ddp_bucketed", (_IN_ORDER, "        if self.waiting[self.bucket_of[i]] == 0:\n"
+                                        "            self._launch(self.bucket_of[i])\n"
+                                        "            self.next_bucket += 1\n"))),
+        ("marks unused parameters only at the end of the backward, in finish: the first bucket (the parameters "
+         "registered last) holds back every other", _changed(
+            "ddp_bucketed", (_MARK_UNUSED, ""),
+            ("        if self.next_bucket < len(self.buckets):\n            raise",
+             "        reached = {id(p) for p in self.params if p.grad is not None}\n"
+             "        for i, p in enumerate(self.params):\n"
+             "            if id(p) not in reached:\n"
+             "                self._mark_ready(i)\n"
+             "        if self.next_bucket < len(self.buckets):\n            raise"))),
+        ("zeros for a parameter no rank used (.grad set even where DDP leaves None)", _changed(
+            "ddp_bucketed", ("                if used[i] > 0:                              # no rank used it: .grad stays None, as in DDP\n",
+                             "                if True:\n"))),
         ("buckets filled in forward (registration) order", _changed(
-            "ddp_bucketed", ("ready_order = [p for p in reversed(list(module.parameters())) if p.requires_grad]",
-                             "ready_order = [p for p in module.parameters() if p.requires_grad]"))),
-        ("a bucket whose parameter got no gradient is never flushed", _changed(
-            "ddp_bucketed", ("            if self.in_flight[index] is None:      # (the same buckets, in the same order, on every rank)\n"
-                             "                self._launch(index)\n", ""),
-            ("        for index, (flat, handle) in enumerate(self.in_flight):\n",
-             "        for index, launched in enumerate(self.in_flight):\n            if launched is None:\n"
-             "                continue\n            flat, handle = launched\n"))),
+            "ddp_bucketed", ("self.params = [p for p in reversed(list(module.parameters())) if p.requires_grad]",
+                             "self.params = [p for p in module.parameters() if p.requires_grad]"))),
         ("every bucket all-reduced in finish_gradient_synchronization: right numbers, no overlap", _changed(
-            "ddp_bucketed", ("        if self.waiting[index] == 0:\n            self._launch(index)\n", ""))),
-        ("not ready for the next step: the bucket counters are never reset", _changed(
-            "ddp_bucketed", ("        self.waiting = [len(b) for b in self.buckets]     # ready for the next step\n"
-                             "        self.in_flight = [None] * len(self.buckets)\n", ""))),
+            "ddp_bucketed", (_IN_ORDER, ""),
+            ("        if self.next_bucket < len(self.buckets):\n",
+             "        while self.next_bucket < len(self.buckets):\n"
+             "            self._launch(self.next_bucket)\n"
+             "            self.next_bucket += 1\n"
+             "        if self.next_bucket < len(self.buckets):\n"))),
+        ("waits for each bucket inside the hook that launched it", _changed(
+            "ddp_bucketed", ("        self.in_flight.append((flat.div_(self.world_size), dist.all_reduce(flat, async_op=True)))\n",
+                             "        self.in_flight.append((flat.div_(self.world_size), dist.all_reduce(flat, async_op=True)))\n"
+                             "        self.in_flight[-1][1].wait()\n"))),
+        ("not ready for the next step: the bookkeeping is never reset", _changed(
+            "ddp_bucketed", ("                offset += p.numel()\n        self._new_step()\n", "                offset += p.numel()\n"))),
         ("ignores assign_buckets: one bucket per parameter", _changed(
-            "ddp_bucketed", ("self.buckets = [[ready_order[i] for i in b] for b in assign_buckets(sizes, bucket_size_mb)]",
-                             "self.buckets = [[p] for p in ready_order]"))),
-        ("parameters collected per module: a tied weight is in two buckets", _changed(
-            "ddp_bucketed", ("ready_order = [p for p in reversed(list(module.parameters())) if p.requires_grad]",
-                             "ready_order = [p for m in reversed(list(module.modules())) for p in m.parameters(recurse=False)\n"
-                             "                       if p.requires_grad]"))),
+            "ddp_bucketed", ("self.buckets = assign_buckets([p.numel() * p.element_size() for p in self.params], bucket_size_mb)",
+                             "self.buckets = [[i] for i in range(len(self.params))]"))),
+        ("a refusal of unused parameters instead of handling them (allowed by the old contract, not by DDP's)", _changed(
+            "ddp_bucketed", (_MARK_UNUSED, "        if torch.is_grad_enabled() and len(reached_parameters(output)) < len(self.params):\n"
+                                           "            raise RuntimeError('a parameter got no gradient (unused in forward)')\n"))),
+        *_red("ddp_bucketed", _redteam.WRONG_ANSWERS),
+        *[(f"red team (old contract's correct variant): {d}", s) for d, s in _redteam.CORRECT_VARIANTS["ddp_bucketed"]],
     ],
     "one_bucket_answer": [
         ("believes one bucket starts with the first gradient", 'one_bucket_answer = "a"'),
+        ("believes gloo's chunks overlap a finished backward", 'one_bucket_answer = "d"'),
     ],
 }
 
-# A correct variant runs every test cell (a torchrun start each); the one here takes the other branch the
-# contract allows for a parameter without a gradient (refuse, clearly, instead of sending zeros).
+# A correct variant runs every test cell (torchrun starts, visible and hidden): a few, each a different spelling.
 CORRECT_VARIANTS = {
-    # The collectives spelled other ways: counted all the same (lablib.measure.counting counts torch's ops, not names).
-    "ddp_individual": [
-        ("all_reduce and broadcast imported by name (from torch.distributed import ...)", _changed(
-            "ddp_individual", ("import torch.distributed as dist\n",
-                               "import torch.distributed as dist\nfrom torch.distributed import all_reduce, broadcast\n"),
-            ("                dist.broadcast(tensor, src=0)", "                broadcast(tensor, src=0)"),
-            ("self.handles.append(dist.all_reduce(param.grad, async_op=True))",
-             "self.handles.append(all_reduce(param.grad, async_op=True))"))),
-        ("torch.distributed spelled in full, no alias", _changed(
-            "ddp_individual", ("import torch.distributed as dist\n", "import torch.distributed\n"),
-            ("self.world_size = dist.get_world_size()", "self.world_size = torch.distributed.get_world_size()"),
-            ("                dist.broadcast(tensor, src=0)", "                torch.distributed.broadcast(tensor, src=0)"),
-            ("self.handles.append(dist.all_reduce(param.grad, async_op=True))",
-             "self.handles.append(torch.distributed.all_reduce(param.grad, async_op=True))"))),
-    ],
+    "ddp_individual": _red("ddp_individual", _redteam.CORRECT_VARIANTS),
     "assign_buckets": [
         ("builds the buckets from the boundaries", '''
 %%writefile buckets_impl.py
@@ -120,19 +143,109 @@ def assign_buckets(param_bytes, bucket_size_mb):
     ends = starts[1:] + [len(param_bytes)]
     return [list(range(a, b)) for a, b in zip(starts, ends)]
 '''),
+        *_red("assign_buckets", _redteam.CORRECT_VARIANTS),
     ],
     "ddp_bucketed": [
-        ("refuses a parameter without a gradient with a clear error instead of sending zeros", _changed(
-            "ddp_bucketed",
-            ("            if self.in_flight[index] is None:      # (the same buckets, in the same order, on every rank)\n"
-             "                self._launch(index)\n",
-             "            if self.in_flight[index] is None:\n"
-             "                for launched in self.in_flight:\n"
-             "                    if launched is not None:\n"
-             "                        launched[1].wait()\n"
-             "                missing = [p.shape for p in self.buckets[index] if p.grad is None]\n"
-             "                self.waiting, self.in_flight = [len(b) for b in self.buckets], [None] * len(self.buckets)\n"
-             "                raise RuntimeError(f'parameters of shapes {missing} got no gradient (unused in forward); '\n"
-             "                                   'this class needs every parameter used in every step')\n"))),
+        ("`import buckets_impl`, persistent flat buckets with every gradient a view into them (DDP's "
+         "gradient_as_bucket_view), unused parameters marked at the first hook (as DDP's reducer does), an int32 "
+         "usage map, and an abstract helper raising NotImplementedError with a message", '''
+%%writefile ddp_bucketed_impl.py
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import buckets_impl
+
+
+class _Synchronizer(nn.Module):
+    def _reduce(self, flat):
+        raise NotImplementedError("subclasses choose how a bucket is reduced")
+
+
+def _leaves(output):
+    todo, seen, found = [output], set(), set()
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            todo.append(x.grad_fn)
+        elif isinstance(x, (tuple, list)):
+            todo.extend(x)
+        elif x is not None and not isinstance(x, (int, float, str)) and id(x) not in seen:
+            seen.add(id(x))
+            if type(x).__name__ == "AccumulateGrad":
+                found.add(id(x.variable))
+            todo.extend(f for f, _ in x.next_functions)
+    return found
+
+
+class DDPBucketed(_Synchronizer):
+    def __init__(self, module, bucket_size_mb):
+        super().__init__()
+        self.module = module
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.detach(), 0)
+        order = [p for p in module.parameters() if p.requires_grad][::-1]
+        groups = buckets_impl.assign_buckets([p.numel() * p.element_size() for p in order], bucket_size_mb)
+        self._groups = [[order[i] for i in g] for g in groups]
+        self._flat = [torch.zeros(sum(p.numel() for p in g), dtype=g[0].dtype) for g in self._groups]
+        self._where, self._slot = {}, {}
+        for k, g in enumerate(self._groups):
+            offset = 0
+            for p in g:
+                self._where[id(p)], self._slot[id(p)] = k, (offset, p.numel())
+                offset += p.numel()
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._order = order
+        self._reset()
+
+    def _reset(self):
+        self._left = [len(g) for g in self._groups]
+        self._next, self._works, self._unused, self._local = 0, [], None, torch.zeros(len(self._order), dtype=torch.int32)
+
+    def _view(self, p):
+        k = self._where[id(p)]
+        offset, n = self._slot[id(p)]
+        return self._flat[k][offset:offset + n].view_as(p)
+
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        reached = _leaves(out)
+        self._unused = [p for p in self._order if id(p) not in reached]
+        return out
+
+    def _ready(self, p):
+        self._left[self._where[id(p)]] -= 1
+        while self._next < len(self._groups) and self._left[self._next] == 0:
+            self._works.append(self._reduce(self._flat[self._next]))
+            self._next += 1
+
+    def _grad_ready(self, param):
+        if self._unused:                       # the first hook of the step marks the unused ones, as DDP's reducer
+            unused, self._unused = self._unused, None
+            for p in unused:
+                self._view(p).zero_()
+                self._ready(p)
+        self._local[self._order.index(param)] = 1
+        view = self._view(param)
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view                  # from now on autograd writes into the bucket itself
+        self._ready(param)
+
+    def _reduce(self, flat):
+        flat.div_(dist.get_world_size())
+        return dist.all_reduce(flat, async_op=True)
+
+    def finish_gradient_synchronization(self):
+        anyone = self._local.clone()
+        dist.all_reduce(anyone)
+        for work in self._works:
+            work.wait()
+        for i, p in enumerate(self._order):
+            if anyone[i] > 0:
+                p.grad = self._view(p)
+        self._reset()
+'''),
     ],
+    "one_bucket_answer": _red("one_bucket_answer", _redteam.CORRECT_VARIANTS),
 }

@@ -1,0 +1,116 @@
+"""Lab 06's per-rank timeline of one training step: when each block's backward ran, when each all-reduce ran,
+and how much of the communication the backward hid (DDP's own definition).
+
+Two clocks, one per backend:
+
+- gloo on the CPU: ``time.perf_counter`` in the rank's threads. A gloo all-reduce runs on gloo's threads and
+  its work's future completes when the data has arrived, so launch and completion are when it really ran.
+- NCCL on GPUs: CPU times say when work was *issued*, not when it ran: kernels queue on streams, and NCCL marks
+  a work's future complete once the collective is enqueued, so "done" would equal "launched" and every variant
+  would look fully hidden. There the timeline comes from a profiler trace (``torch.profiler``, CUDA activity):
+  each NCCL kernel's start and end on the GPU, and the end of the last compute kernel that the backward issued
+  (its launch, found through the trace's correlation ids, before ``backward()`` returned). Block spans are not
+  drawn there (their hooks run on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from lablib.measure import counting
+
+MARK = "lab06_step", "lab06_backward"   # the trace's user annotations around the step and around loss.backward()
+
+
+def overlap_fraction(comm: list[tuple[float, float]], compute_end: float) -> float:
+    """DDP's definition (its reducer's timer): communication spans the first launch .. the last completion;
+    the part of it before the backward's compute ended (the last gradient became final) is hidden.
+    0 when nothing ran during the backward's compute, 1 when all of it did."""
+    start, end = min(c[0] for c in comm), max(c[1] for c in comm)
+    if end <= start:
+        return 1.0
+    return max(0.0, min(end, compute_end) - start) / (end - start)
+
+
+class BlockTimes:
+    """Backward start and end of the GPT's head and blocks (full backward hooks), perf_counter seconds."""
+
+    def __init__(self, gpt):
+        self.spans: dict[str, list[float]] = {}
+        named = [("head", gpt.lm_head)] + [(f"block {i}", b) for i, b in enumerate(gpt.h)]
+        for name, module in named:
+            module.register_full_backward_pre_hook(lambda m, g, name=name: self.spans.__setitem__(name, [time.perf_counter()]))
+            module.register_full_backward_hook(lambda m, gi, go, name=name: self.spans[name].append(time.perf_counter()))
+
+
+def profile_cuda_step(step) -> dict:
+    """Run ``step(mark_backward)`` under the profiler (CUDA) and read the GPU's timeline from its trace: seconds from
+    the step's start, ``comm`` (NCCL kernels: start, end), ``compute_end`` (the end of the last non-NCCL kernel
+    launched before backward() returned). ``step`` wraps its loss.backward() in ``mark_backward()``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(MARK[0]):
+            step(lambda: record_function(MARK[1]))
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    marks = {e["name"]: e for e in events if e.get("cat") == "user_annotation" and e["name"] in MARK}
+    t0 = marks[MARK[0]]["ts"]
+    backward_returned = marks[MARK[1]]["ts"] + marks[MARK[1]]["dur"]
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    comm = [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in kernels if "nccl" in e["name"].lower()]
+    compute = [e for e in kernels if "nccl" not in e["name"].lower()
+               and launched.get(e.get("args", {}).get("correlation"), float("inf")) <= backward_returned]
+    compute_end = max(((e["ts"] + e["dur"] - t0) / 1e6 for e in compute), default=0.0)
+    return {"comm": comm, "compute_end": compute_end}
+
+
+def record_step(env, model, batch, finish, optimizer, recorder, grad_ready: list, blocks: BlockTimes,
+                bucket_timer=None) -> dict:
+    """One timed training step of a wrapped GPT: seconds from its start, the forward, each block's backward,
+    where the backward's compute ended (the last gradient final) and backward() returned, each all-reduce's
+    (start, end, bytes), and the hidden fraction. CPU: perf_counter, the all-reduces from ``recorder`` (a
+    ``counting.CollectiveLog``) or, for DDP, ``bucket_timer`` (``scaling.BucketTimer``); CUDA: the profiler's
+    trace (``profile_cuda_step``; bytes 0, blocks not drawn)."""
+    if env.device.type == "cuda":
+        def cuda_step(mark_backward):
+            loss = model(*batch)[1]
+            with mark_backward():
+                loss.backward()
+            finish()
+        gpu = profile_cuda_step(cuda_step)
+        optimizer.step()
+        end = max([gpu["compute_end"], *(b for _, b in gpu["comm"])])
+        return {"forward": [0.0, 0.0], "backward_end": gpu["compute_end"], "compute_end": gpu["compute_end"],
+                "finish_end": end, "end": end, "blocks": {}, "comm": [(a, b, 0) for a, b in gpu["comm"]],
+                "overlap_fraction": overlap_fraction(gpu["comm"], gpu["compute_end"]) if gpu["comm"] else 0.0}
+    with counting.count_collectives(recorder):
+        t0 = time.perf_counter()
+        loss = model(*batch)[1]
+        t_forward = time.perf_counter()
+        loss.backward()
+        t_backward = time.perf_counter()
+        finish()
+        t_finish = time.perf_counter()
+    optimizer.step()
+    t_end = time.perf_counter()
+    if bucket_timer is not None:
+        comm = [(a, b, n) for a, b, n, _ in bucket_timer.spans]
+    else:
+        comm = [(c.launched_s, c.done_s or t_finish, c.bytes) for c in recorder.calls if c.name == "all_reduce"]
+    compute_end = max(grad_ready)
+    return {"forward": [0.0, t_forward - t0], "backward_end": t_backward - t0, "compute_end": compute_end - t0,
+            "finish_end": t_finish - t0, "end": t_end - t0,
+            "blocks": {k: [v[0] - t0, v[-1] - t0] for k, v in blocks.spans.items()},
+            "comm": [(a - t0, b - t0, n) for a, b, n in comm], "overlap_fraction": overlap_fraction(comm, compute_end)}
