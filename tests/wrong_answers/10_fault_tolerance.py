@@ -1,8 +1,17 @@
-"""Wrong answers for lab 10 (see tests/wrong_answers/__init__.py): the solution's own cells, one mistake each."""
+"""Wrong answers for lab 10 (see tests/wrong_answers/__init__.py): the solution's own cells, one mistake each. The
+red team's (a reviewer who had read only the released notebook) come from ``redteam_10_fault_tolerance.py`` beside
+this file and are added to each list."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from wrong_answers import SolutionCells
+
+_spec = importlib.util.spec_from_file_location("redteam_10", Path(__file__).with_name("redteam_10_fault_tolerance.py"))
+_redteam = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_redteam)
 
 LAB = "10_fault_tolerance"
 _cells = SolutionCells(LAB)
@@ -48,20 +57,6 @@ WRONG_ANSWERS = {
     state.model = shard(model)
 '''))),
         # Caught only by the reshard (2 ranks saved, 1 rank resumes): exact at the same world size
-        ("model and optimizer saved under per-rank keys (each rank's shards): exact at 2 ranks, unreadable at 1",
-         _changed("app_state",
-                  ('        return {"model": model_state, "optimizer": optimizer_state,',
-                   '        r = torch.distributed.get_rank()\n'
-                   '        return {f"model{r}": {k: v.to_local() for k, v in model_state.items()},\n'
-                   '                f"optimizer{r}": optimizer_state,'),
-                  ('        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],\n'
-                   '                       optim_state_dict=state["optimizer"])\n',
-                   '        r = torch.distributed.get_rank()\n'
-                   '        local = dict(self.model.state_dict())\n'
-                   '        for k, v in state[f"model{r}"].items():\n'
-                   '            local[k].to_local().copy_(v)\n'
-                   '        set_state_dict(self.model, self.optimizer, model_state_dict=local,\n'
-                   '                       optim_state_dict=state[f"optimizer{r}"])\n'))),
         ("model and optimizer in per-rank torch.save files beside DCP's checkpoint: exact at 2 ranks, not resharded",
          _changed("app_state",
                   ('        return {"model": model_state, "optimizer": optimizer_state,',
@@ -78,11 +73,7 @@ WRONG_ANSWERS = {
                    '    dcp.save({"app": state}, checkpoint_id=checkpoint)\n'
                    '    r = torch.distributed.get_rank()\n'
                    '    torch.save(get_state_dict(state.model, state.optimizer), f"{checkpoint}/rank{r}.pt")\n'))),
-        # Caught only on 2 real ranks (one torchrun start each):
-        ("saves on rank 0 only (as with torch.save): DCP's save is a collective, the other rank's shards are never written",
-         _changed("app_state", ('    dcp.save({"app": state}, checkpoint_id=checkpoint)\n',
-                                '    if torch.distributed.get_rank() == 0:\n'
-                                '        dcp.save({"app": state}, checkpoint_id=checkpoint)\n'))),
+        # Caught only on 2 real ranks: the red team's "save only on rank 0" (below)
     ],
     "young_daly": [
         ("the factor 2 is missing: sqrt(C M)", _changed(
@@ -103,16 +94,7 @@ WRONG_ANSWERS = {
     ],
 }
 
-_RNG_PER_KEY = _changed(
-    "app_state",
-    ('                "rng": per_rank(rng)}            # each rank\'s own generators, gathered: DCP keeps one copy per key\n',
-     '                f"rng_rank{torch.distributed.get_rank()}": rng}   # one key per rank\n'),
-    ('        rng = this_rank(state["rng"])\n', '        rng = state[f"rng_rank{torch.distributed.get_rank()}"]\n'))
-
 CORRECT_VARIANTS = {
-    "app_state": [
-        ("each rank's generators under a key of its own instead of per_rank (fine at a fixed world size)", _RNG_PER_KEY),
-    ],
     "young_daly": [
         ("Daly's higher-order interval instead of Young's", _changed(
             "young_daly", ("    return math.sqrt(2.0 * checkpoint_s * mtbf_s)\n",
@@ -122,3 +104,8 @@ CORRECT_VARIANTS = {
                            "    return math.sqrt(2.0 * checkpoint_s * mtbf_s) * (1 + math.sqrt(r) / 3 + r / 9) - checkpoint_s\n"))),
     ],
 }
+
+for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
+    WRONG_ANSWERS.setdefault(_exercise, []).extend(_answers)
+for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
+    CORRECT_VARIANTS.setdefault(_exercise, []).extend(_answers)
