@@ -4,7 +4,7 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
     torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 2,3,4 --out out.json
     torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 4 \\
         --bench_bytes 4096,65536,1048576 --bench_ranks 2 --out bench.json
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 2,3,4 --check_seed 1234 --out check.json
+    torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --check_inputs inputs.json --out check.json
 
 - pictures (for each of ``world_sizes``; ranks 0..w-1 form a gloo sub-group, the others wait, so several
   world sizes cost one torchrun start): rank r starts with ``[10 r, 10 r + 1, ...]`` (``per_rank`` x w
@@ -14,12 +14,11 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
   ``lablib.measure.counting`` recorded for the call (message size S, bus bytes).
   It also tries ``reduce_scatter_single`` on an input that does not divide by the world size, and
   ``all_to_all_single`` with splits that do not add up, and keeps the errors PyTorch raises.
-- checks (``check_seed`` > 0, instead of everything else: the inputs of lab 00's exercise 1 check, drawn when the
-  check runs): for each of ``world_sizes``, all_reduce, all_gather, reduce_scatter and all_to_all on random whole
-  numbers (rank r's generator seeded with ``check_seed`` and r): 1-D float32 tensors of 3 x w elements (chunks of
-  3), 2-D tensors of (2 w, 3) (all_reduce in int64, all_gather in float64, reduce_scatter and all_to_all in
-  float32), and all_to_all_single of (rows, 2) tensors with uneven splits; each rank's input and output, and the
-  errors of ``expected_errors``.
+- checks (``check_inputs``, a JSON file, instead of everything else: lab 00's exercise 1 check, whose inputs the
+  notebook draws once the student's predictions of them exist): for each case ``"w/name"`` of the file,
+  ``collective`` (all_reduce, all_gather, reduce_scatter or all_to_all) on ranks 0..w-1, rank r's tensor being
+  ``inputs[r]`` of ``dtype`` (and, for all_to_all, ``splits[r]`` its input split sizes when given); rank 0 returns
+  every rank's output, and for each w the errors of ``expected_errors``.
 - wire (``wire_bytes`` = S > 0, for each of those world sizes): the bytes each rank really wrote to its
   sockets during each timed collective of S bytes, read from Linux's ``/proc/self/io`` (``wchar``: every
   write-like system call of the process, gloo's socket sends included), divided by S. What gloo moves, next
@@ -35,8 +34,10 @@ NCCL default group): the lab is about gloo's behaviour, and one backend keeps th
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ class Config:
     repeats: int = 5                        # timed repetitions per size and collective
     barrier_delay_s: float = 0.05           # rank r reaches the barrier r x this late
     wire_bytes: int = 0                     # message size S for counting the bytes gloo really sends (0: no)
-    check_seed: int = 0                     # > 0: only exercise 1's check cases, on inputs from this seed
+    check_inputs: str = ""                  # a JSON file of exercise 1's check cases (see above); "": none
 
     def validate(self) -> None:
         if self.per_rank < 1 or any(w < 1 for w in self.world_sizes):
@@ -69,8 +70,8 @@ class Config:
             raise ValueError(f"bench_bytes={self.bench_bytes}: float32 messages need a multiple of 4 bytes")
         if self.wire_bytes < 0 or self.wire_bytes % 4:
             raise ValueError(f"wire_bytes={self.wire_bytes}: a float32 message needs a multiple of 4 bytes (0: none)")
-        if self.check_seed < 0:
-            raise ValueError(f"check_seed={self.check_seed} must be >= 0 (0: no check cases)")
+        if self.check_inputs and not Path(self.check_inputs).is_file():
+            raise ValueError(f"check_inputs={self.check_inputs!r} is not a file: give the JSON file of check cases")
         if self.bench_ranks < 2 or self.repeats < 1 or self.barrier_delay_s < 0:
             raise ValueError(f"bench_ranks={self.bench_ranks} must be >= 2, repeats={self.repeats} >= 1, "
                              f"barrier_delay_s={self.barrier_delay_s} >= 0")
@@ -171,67 +172,42 @@ def expected_errors(rank: int, n: int, group) -> dict:
     return errors
 
 
-# Exercise 1's check cases: (collective, shape of a rank's input as a function of n, dtype).
-CHECK_CASES = {
-    "all_reduce": ("all_reduce", lambda n: (3 * n,), torch.float32),
-    "all_gather": ("all_gather", lambda n: (3 * n,), torch.float32),
-    "reduce_scatter": ("reduce_scatter", lambda n: (3 * n,), torch.float32),
-    "all_to_all": ("all_to_all", lambda n: (3 * n,), torch.float32),
-    "all_reduce_2d": ("all_reduce", lambda n: (2 * n, 3), torch.int64),
-    "all_gather_2d": ("all_gather", lambda n: (2 * n, 3), torch.float64),
-    "reduce_scatter_2d": ("reduce_scatter", lambda n: (2 * n, 3), torch.float32),
-    "all_to_all_2d": ("all_to_all", lambda n: (2 * n, 3), torch.float32),
-    "all_to_all_uneven": ("all_to_all", None, torch.float32),
-}
-
-
-def check_case(case: str, rank: int, n: int, seed: int, group) -> dict:
-    """One of CHECK_CASES on this rank: its input and output (random whole numbers below 1000 in magnitude,
-    so that every order of a sum of 4 of them is exact in any of the dtypes), in the current collective names."""
-    name, shape, dtype = CHECK_CASES[case]
-    gen = torch.Generator().manual_seed(seed * 1009 + 97 * n + 13 * list(CHECK_CASES).index(case) + rank)
-    extra = {}
-    if shape is None:                                  # uneven: rank s sends 1-3 rows of 2 to each rank
-        splits = [[1 + (s * 7 + r * 5 + seed) % 3 for r in range(n)] for s in range(n)]
-        extra["splits"] = splits
-        shape = (sum(splits[rank]), 2)
-    else:
-        shape = shape(n)
-    x = torch.randint(-999, 1000, shape, generator=gen).to(dtype)
+def check_case(spec: dict, rank: int, n: int, group) -> list:
+    """This rank's output of one exercise 1 check case (see the module docstring), in the current collective names."""
+    name, dtype, splits = spec["collective"], getattr(torch, spec["dtype"]), spec.get("splits")
+    x = torch.tensor(spec["inputs"][rank], dtype=dtype)
     if name == "all_reduce":
         out = x.clone()
         dist.all_reduce(out, group=group)
     elif name == "all_gather":
-        out = torch.empty((n * shape[0], *shape[1:]), dtype=dtype)
+        out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=dtype)
         dist.all_gather_single(out, x, group=group)
     elif name == "reduce_scatter":
-        out = torch.empty((shape[0] // n, *shape[1:]), dtype=dtype)
+        out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=dtype)
         dist.reduce_scatter_single(out, x, group=group)
-    elif "splits" in extra:
-        receive = [extra["splits"][s][rank] for s in range(n)]
-        out = torch.empty((sum(receive), *shape[1:]), dtype=dtype)
-        dist.all_to_all_single(out, x, output_split_sizes=receive, input_split_sizes=extra["splits"][rank], group=group)
-    else:
+    elif name == "all_to_all" and splits:
+        receive = [splits[s][rank] for s in range(n)]
+        out = torch.empty((sum(receive), *x.shape[1:]), dtype=dtype)
+        dist.all_to_all_single(out, x, output_split_sizes=receive, input_split_sizes=splits[rank], group=group)
+    elif name == "all_to_all":
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=group)
-    return {"collective": name, "dtype": str(dtype).removeprefix("torch."), "before": x.tolist(), "after": out.tolist(),
-            **extra}
+    else:
+        raise ValueError(f"check case of collective {name!r}: choose all_reduce, all_gather, reduce_scatter or all_to_all")
+    return out.tolist()
 
 
-def check_cases(env, config: Config, world_size: int, default_group) -> dict | None:
-    """Every CHECK_CASES case on ranks 0..world_size-1; rank 0 returns {case: {before, after: per rank, ...}}."""
+def check_cases(env, cases: dict, world_size: int, default_group) -> dict | None:
+    """The check cases of one world size on ranks 0..world_size-1; rank 0 returns {"after": {case: [output per
+    rank]}, "errors": expected_errors}."""
     sub = default_group if world_size == env.world_size else dist.new_group(list(range(world_size)), backend="gloo")
     member = env.rank < world_size
-    mine = ({case: check_case(case, env.rank, world_size, config.check_seed, sub) for case in CHECK_CASES}
-            if member else None)
+    mine = {case: check_case(spec, env.rank, world_size, sub) for case, spec in cases.items()} if member else None
     errors = expected_errors(env.rank, world_size, sub) if member else None
     per_rank = [r for r in gather_objects((mine, errors), env, group=default_group) if r[0] is not None]
     if not env.is_main:
         return None
-    cases = {case: {**{k: v for k, v in per_rank[0][0][case].items() if k not in ("before", "after")},
-                    "before": [r[0][case]["before"] for r in per_rank], "after": [r[0][case]["after"] for r in per_rank]}
-             for case in CHECK_CASES}
-    return {"world_size": world_size, "cases": cases, "errors": per_rank[0][1]}
+    return {"after": {case: [r[0][case] for r in per_rank] for case in cases}, "errors": per_rank[0][1]}
 
 
 def bytes_written() -> int | None:
@@ -345,10 +321,15 @@ def benchmark(env, config: Config) -> dict | None:
 def run(env, config: Config) -> dict:
     # CPU tensors through gloo on every machine (see the module docstring).
     default_group = None if env.backend == "gloo" else dist.new_group(backend="gloo")
-    if config.check_seed:
-        checked = {w: check_cases(env, config, w, default_group) for w in config.world_sizes or (env.world_size,)}
+    if config.check_inputs:
+        specs = json.loads(Path(config.check_inputs).read_text())      # {"w/case": spec}
+        sizes = sorted({int(key.split("/")[0]) for key in specs})
+        if sizes and sizes[-1] > env.world_size:
+            raise ValueError(f"check_inputs has cases for {sizes[-1]} ranks, but {env.world_size} were started")
+        checked = {w: check_cases(env, {key.split("/", 1)[1]: spec for key, spec in specs.items()
+                                        if int(key.split("/")[0]) == w}, w, default_group) for w in sizes}
         if env.is_main:
-            print(f"ran exercise 1's {len(CHECK_CASES)} check cases on {', '.join(map(str, checked))} ranks")
+            print(f"ran exercise 1's {len(specs)} check cases on {', '.join(map(str, sizes))} ranks")
         return {"checks": checked}
     result = {"pictures": {}}
     for world_size in config.world_sizes or (env.world_size,):
