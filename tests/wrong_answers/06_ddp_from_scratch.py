@@ -195,7 +195,7 @@ class DDPBucketed(_Synchronizer):
                 self._where[id(p)], self._slot[id(p)] = k, (offset, p.numel())
                 offset += p.numel()
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-        self._order = order
+        self._order, self._pos = order, {id(p): i for i, p in enumerate(order)}
         self._reset()
 
     def _reset(self):
@@ -225,7 +225,7 @@ class DDPBucketed(_Synchronizer):
             for p in unused:
                 self._view(p).zero_()
                 self._ready(p)
-        self._local[self._order.index(param)] = 1
+        self._local[self._pos[id(param)]] = 1
         view = self._view(param)
         if param.grad is not view:
             view.copy_(param.grad)
