@@ -26,6 +26,7 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.measure.rankcheck`` which samples each rank saw, whether the ranks' weights agree, and the rounding
                                bounds two runs that differ only in summation order must stay within
 - ``lablib.measure.p2p``       point-to-point sends and receives that count their bytes (lab 02)
+- ``lablib.measure.pipeline_costs`` a measured pipeline step as stage times, latency and gap; played again with them
 
 ``lablib.course``: the course's models, data and formulas (no parallelism inside)
 - ``lablib.course.models``   a small GPT (nanoGPT names) and a small MLP
@@ -63,6 +64,8 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.tp_layers``       lab 08's column/row-parallel layers, MLP and attention vs one process
 - ``lablib.probes.tp_heads``        lab 08's whole heads, and sizes that do not divide refused in full
 - ``lablib.probes.pipeline``        lab 09's pipeline engine (order, timeline, saved bytes, who waited on whom)
+- ``lablib.probes.pipeline_schedules`` lab 09's schedules graded by what one must do (the 1F1B rule played)
+- ``lablib.probes.pipeline_recorder``  what a pipeline stage ran and when, and the activations it saved
 - ``lablib.probes.fault_tolerance`` lab 10's resumed runs
 
 - ``lablib.checks``    the assertions the notebooks' checks use (clear messages, with hints)

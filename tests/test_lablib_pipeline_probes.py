@@ -167,11 +167,14 @@ def test_check_schedule_names_what_is_wrong():
         pipeline_probes.check_schedule("1f1b", good[:3], 4, 3)
     with pytest.raises(checks.CheckFailed, match="missing B2"):
         pipeline_probes.check_schedule("1f1b", [good[0][:-1]] + good[1:], 4, 3)
-    with pytest.raises(checks.CheckFailed, match=r"holds 3 micro-batches at once"):
+    with pytest.raises(checks.CheckFailed, match=r"stage 2: runs more forwards before its first backward than the step needs"):
         pipeline_probes.check_schedule("1f1b", good[:2] + [pipeline_ref.schedule("gpipe", 4, 3)[2]] + good[3:], 4, 3)
     with pytest.raises(checks.CheckFailed, match="every forward before"):
         pipeline_probes.check_schedule("gpipe", good, 4, 3)
     with pytest.raises(checks.CheckFailed, match="wait for each other"):
+        pipeline_probes.check_schedule("1f1b", [good[0], [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]]
+                                       + good[2:], 4, 3)
+    with pytest.raises(checks.CheckFailed, match="two forwards in a row after the first backward"):
         pipeline_probes.check_schedule("1f1b", [good[0], [("F", 0), ("B", 0), ("F", 1), ("F", 2), ("B", 1), ("B", 2)]]
                                        + good[2:], 4, 3)
     slow = [[op for j in range(3) for op in (("F", j), ("B", j))] for _ in range(2)]

@@ -170,18 +170,26 @@ def _op(op) -> tuple[str, int, int]:
     return str(kind), int(j), int(chunk[0]) if chunk else 0
 
 
-def play(orders, t_forward: float = 1.0, t_backward: float = 2.0, chunks: int = 1) -> list[list[Op]]:
+def play(orders, t_forward=1.0, t_backward=2.0, chunks: int = 1, latency: float = 0.0,
+         gap: float = 0.0) -> list[list[Op]]:
     """Each rank's given operations, in the given order, at the times they can run (see the module docstring).
 
     orders: one list per rank of ("F"/"B", micro-batch) or, with chunks > 1, ("F"/"B", micro-batch, chunk).
     t_forward, t_backward: one micro-batch's forward and backward through a rank's whole share of the model
-    (with v chunks, each chunk takes 1/v of them). Returns one list of ``Op`` per rank, in time order; raises
+    (with v chunks, each chunk takes 1/v of them): one number for every rank, or one per rank (stages of unequal
+    cost, as measured: ``lablib.measure.pipeline_costs``). latency: from the end of an operation to the moment
+    its output can be used on another rank (the message); gap: between two operations of one rank (the
+    engine's own work: Python, receives posted, hooks). Returns one list of ``Op`` per rank, in time order; raises
     ``Deadlock`` when ranks wait for each other (or for an operation no rank's list has) and ``ValueError``
     for an operation that is not an F or a B, a chunk out of range, or one a rank lists twice.
     """
     p, v = len(orders), chunks
     if p < 1 or v < 1:
         raise ValueError(f"got {p} ranks' orders and chunks={v}: need at least one rank and one chunk")
+    t_f, t_b = (list(t) if isinstance(t, (list, tuple)) else [float(t)] * p for t in (t_forward, t_backward))
+    if len(t_f) != p or len(t_b) != p or min(t_f + t_b) < 0 or latency < 0 or gap < 0:
+        raise ValueError(f"t_forward={t_forward}, t_backward={t_backward}: one time per rank ({p}) or one for all; "
+                         f"they, latency={latency} and gap={gap} must be >= 0")
     lists = [[_op(op) for op in rank_ops] for rank_ops in orders]
     for r, rank_ops in enumerate(lists):
         bad = [op for op in rank_ops if op[0] not in ("F", "B") or op[1] < 0 or not 0 <= op[2] < v]
@@ -214,8 +222,9 @@ def play(orders, t_forward: float = 1.0, t_backward: float = 2.0, chunks: int = 
                     blocked_on[r] = missing
                     waiting.setdefault(missing, []).append(r)
                 break
-            start = max([free_at[r]] + [ended[n] for n in needs])
-            free_at[r] = ended[(kind, s, j)] = start + (t_forward if kind == "F" else t_backward) / v
+            own = free_at[r] + (gap if position[r] else 0.0)
+            start = max([own] + [ended[n] + (latency if n[1] % p != r else 0.0) for n in needs])
+            free_at[r] = ended[(kind, s, j)] = start + (t_f[r] if kind == "F" else t_b[r]) / v
             played[r].append(Op(r, kind, j, c, start, free_at[r]))
             position[r] += 1
             queue += waiting.pop((kind, s, j), [])

@@ -10,7 +10,9 @@ case on p stages runs on ranks 0..p-1 (the others wait for it, lab 06's turns). 
 records is ``lablib.probes.pipeline.probe_engine``: one step, on a process group of its own with a short
 timeout, so a deadlock ends in a message instead of a hang. The graded run stops at the first case that
 fails. With ``--repeat n`` (the measurement) each case runs n times and the step of median idle time is kept
-(the first one warms up and is left out).
+(the first one warms up and is left out), with every timed step's idle share and stopwatch time (per step the
+slowest rank, as ``lablib.runs.pipeline_torch`` times torch's schedules); then one more step under
+``lablib.measure.memory.MemoryTimeline`` gives the saved activations each rank really held at its peak.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from lablib.jobs import script
 from lablib.jobs.exercise import require_file
 from lablib.course.models import GPTConfig
-from lablib.parallel.pipeline import busy_and_span, idle_fraction, parse_orders
+from lablib.parallel.pipeline import idle_fraction, parse_orders
 from lablib.probes.pipeline import SMALL, check_orders, load_engine, parse_case, probe_engine
 
 
@@ -74,10 +76,15 @@ def run(env, config: Config) -> dict:
             if not steps[-1]["ok"]:
                 break
         result = steps[-1]
+        if result["ok"] and len(steps) > 1:    # every rank: one more step, its memory sampled (not timed)
+            held = probe_engine(impl, case, parse_orders(orders), env, p2p_timeout_s=config.p2p_timeout_s,
+                                seed=config.seed, micro_batch=config.micro_batch, config=model, tag=f"{i}.mem",
+                                memory=True)
         if env.is_main and result["ok"] and len(steps) > 1:   # the step of median idle time, the first one left out
             timed = sorted(steps[1:], key=lambda s: idle_fraction(s["events"]))
             result = dict(timed[len(timed) // 2], idle_fractions=[idle_fraction(s["events"]) for s in steps[1:]],
-                          step_s=[busy_and_span(s["events"])[1] for s in steps[1:]])
+                          step_s=[s["step_s"] for s in steps[1:]],
+                          peak_activation_bytes=held.get("peak_activation_bytes"))
         results[case] = result
         script.progress(env, i + 1, len(config.cases))
         if not result["ok"]:                   # every rank read every stage's record: all stop here together

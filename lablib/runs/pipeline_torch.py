@@ -4,7 +4,7 @@
 
 For each schedule the GPT is cut into p x v chunks (``lablib.parallel.pipeline.gpt_stages``, the last one returning
 logits; the loss is the schedule's ``loss_fn``), rank r holds chunks r, r + p, ... (ZBV: r and 2p - 1 - r,
-its "V"), and PyTorch's ``PipelineStage`` and schedule run the steps: one to warm up (it also infers the
+its "V"; also DualPipeV, DeepSeek-V3's schedule), and PyTorch's ``PipelineStage`` and schedule run the steps: one to warm up (it also infers the
 shapes), ``steps`` timed (``lablib.measure.timing.step_times``: per step the slowest rank, then the median), then one
 more under ``lablib.measure.memory.MemoryTimeline`` for the saved activations each rank held at its peak. The last
 rank's micro-batch losses are compared with one process's.
@@ -29,7 +29,9 @@ from lablib.measure.rankcheck import gather_objects
 # name -> (class name in torch.distributed.pipelining, chunks per rank)
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
              "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
-             "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2), "zbv_zero_bubble": ("ScheduleZBVZeroBubble", 2)}
+             "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2), "zbv_zero_bubble": ("ScheduleZBVZeroBubble", 2),
+             "dualpipev": ("ScheduleDualPipeV", 2)}
+V_SHAPED = ("zbv_zero_bubble", "dualpipev")     # rank r holds chunks r and 2p - 1 - r
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Config:
     micro_batch: int = 4
     steps: int = 4                      # timed steps per schedule (after one warm-up step)
     n_layer: int = SMALL.n_layer
-    n_embd: int = 64
+    n_embd: int = 128
     n_head: int = SMALL.n_head
     block_size: int = 32
     seed: int = 0
@@ -63,7 +65,7 @@ def run_schedule(name: str, env, config: Config, model_config: GPTConfig, inputs
     p = env.world_size
     torch.manual_seed(config.seed)
     chunks = pipeline.gpt_stages(GPT(model_config), p * v, loss=False)
-    mine = [env.rank + k * p for k in range(v)] if name != "zbv_zero_bubble" else [env.rank, 2 * p - 1 - env.rank]
+    mine = [env.rank + k * p for k in range(v)] if name not in V_SHAPED else [env.rank, 2 * p - 1 - env.rank]
     stages = [pp.PipelineStage(chunks[i], i, p * v, env.device) for i in mine]
     schedule = getattr(pp, cls_name)(stages[0] if v == 1 else stages, config.n_microbatches, loss_fn=pipeline.token_loss)
     x, y = torch.cat(inputs).to(env.device), torch.cat(targets).to(env.device)

@@ -11,8 +11,16 @@ raised would leave them).
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from instructor.references import pipeline as _reference
 from wrong_answers import SolutionCells
+
+# The red team's (a reviewer who had read only the released notebook): added to each list at the end.
+_spec = importlib.util.spec_from_file_location("redteam_09", Path(__file__).with_name("redteam_09_pipeline_parallel.py"))
+_redteam = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_redteam)
 
 LAB = "09_pipeline_parallel"
 _changed = SolutionCells(LAB).changed
@@ -219,3 +227,71 @@ def peak_in_flight(schedule, n_stages, n_microbatches, stage):
 '''),
     ],
 }
+
+# batch_isend_irecv, as torch's Schedule1F1B and Megatron-LM group the steady state's send and receive (the form a
+# GPU engine needs on NCCL; gloo runs it too): pending sends go out in one batch with the next receive.
+CORRECT_VARIANTS["pipeline_engine"] = [("sends batched with the next receive in dist.batch_isend_irecv", '''%%writefile engine_impl.py
+"""Exercise 2 of lab 09: a pipeline engine (this file is written by the notebook)."""
+import torch
+import torch.distributed as dist
+
+
+def pipeline_step(stage, ops, micro_inputs, micro_targets, activation_shape):
+    """One training step of this rank's stage: run ops in order, activations forward and their gradients
+    backward with send/recv. Returns the last rank's micro-batch losses ([] on the other ranks)."""
+    rank, n_stages = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == n_stages - 1
+    m = len(micro_inputs)
+    inputs, outputs, losses = {}, {}, {}
+    pending = []      # sends not yet fired: they go out batched with the next receive (Megatron, torch's 1F1B)
+    sent = []
+
+    def exchange(recv=None):
+        """Fire the pending sends and this receive as one batch_isend_irecv; wait for the receive."""
+        p2p = [dist.P2POp(dist.isend, t, peer) for t, peer in pending]
+        if recv is not None:
+            p2p.append(dist.P2POp(dist.irecv, *recv))
+        if p2p:
+            works = dist.batch_isend_irecv(p2p)
+            sent.extend(works[:len(pending)])
+            if recv is not None:
+                works[-1].wait()
+        pending.clear()
+
+    for kind, j in ops:
+        if kind == "F":
+            if first:
+                x = micro_inputs[j]
+            else:
+                x = torch.empty(activation_shape)
+                exchange((x, rank - 1))
+                x.requires_grad_()
+            inputs[j] = x
+            if last:
+                loss = stage(x, micro_targets[j])
+                losses[j] = loss.item()
+                outputs[j] = loss / m
+            else:
+                outputs[j] = stage(x)
+                pending.append((outputs[j].detach(), rank + 1))
+        else:
+            out = outputs.pop(j)
+            if last:
+                out.backward()
+            else:
+                grad = torch.empty(activation_shape)
+                exchange((grad, rank + 1))
+                out.backward(grad)
+            x = inputs.pop(j)
+            if not first:
+                pending.append((x.grad, rank - 1))
+    exchange()
+    for w in sent:
+        w.wait()
+    return [losses[j] for j in range(m)] if last else []
+''')]
+
+for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
+    WRONG_ANSWERS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)
+for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
+    CORRECT_VARIANTS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)
