@@ -137,7 +137,9 @@ class WholeMLP(nn.Module):
 
     def __init__(self, mlp, group, bias_twice=False):
         super().__init__()
-        self.c_fc, self.c_proj, self.group, self.bias_twice = mlp.c_fc, mlp.c_proj, group, bias_twice
+        # copies, as the contract asks (a shard sharing the caller's storage is refused)
+        self.c_fc, self.c_proj = copy.deepcopy(mlp.c_fc), copy.deepcopy(mlp.c_proj)
+        self.group, self.bias_twice = group, bias_twice
         self.comm = tp_probes.DTensorFG()
 
     def forward(self, x):
@@ -154,6 +156,7 @@ class WholeLinear(nn.Module):
 
     def __init__(self, linear, group, pair, kind="column", comm=True):
         super().__init__()
+        linear = copy.deepcopy(linear)        # copies, as the contract asks
         self.weight, self.bias, self.group, self.kind, self.comm = linear.weight, linear.bias, group, kind, comm
         self.pair = pair
 
@@ -202,6 +205,35 @@ def test_f_moved_from_the_column_parallel_layer_into_the_mlp_is_caught_on_one_ra
         record = tp_probes.probe_layer(right, kind, 1, dist.group.WORLD, one_rank, case="bias")
         assert record["f_g_calls"] == ({"f": 1} if kind == "column" else {"g": 1}), record["f_g_calls"]
         tp_probes.check_layer(record)
+
+
+def test_shards_that_are_views_of_the_callers_layer_are_refused(one_rank):
+    """The red team's answer: nn.Parameter(linear.weight[rows]) without a copy keeps the whole weight alive."""
+    class Viewing(WholeLinear):
+        def __init__(self, linear, group, pair):
+            super().__init__(linear, group, pair)
+            self.weight = nn.Parameter(linear.weight.detach())      # a view of the caller's storage
+    views = stand_ins(ColumnParallelLinear=lambda pair: lambda lin, group: Viewing(lin, group, pair))
+    record = tp_probes.probe_layer(views, "column", 1, dist.group.WORLD, one_rank, case="bias")
+    with pytest.raises(CheckFailed, match="share memory"):
+        tp_probes.check_layer(record)
+
+
+def test_the_thread_rehearsal_judges_values_on_two_thread_ranks(tmp_path):
+    """Exercise 2's rehearsal on 2 threads (no process group): the solution passes, a bias added on every rank
+    before g (right on one rank) fails there, before any torchrun start."""
+    from wrong_answers import SolutionCells
+
+    source = SolutionCells(LAB).source("tp_mlp").split("\n", 1)[1]
+    impl = tmp_path / "tp_mlp_impl.py"
+    impl.write_text(source)
+    records = tp_probes.rehearse(str(impl), "mlp", 2, ("bias", "indivisible"))
+    assert records and all(r["rehearsal"] for r in records)
+    tp_probes.check_rehearsal(records)
+    impl.write_text(source.replace("        y = g(F.linear(x, self.weight), self.group)",
+                                   "        y = g(F.linear(x, self.weight, self.bias), self.group)"))
+    with pytest.raises(CheckFailed, match="output"):
+        tp_probes.check_rehearsal(tp_probes.rehearse(str(impl), "mlp", 2, ("bias",)))
 
 
 def test_indivisible_sizes_need_own_valueerror_with_the_numbers():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 from collections import Counter
 
@@ -80,17 +81,57 @@ class DTensorFG:
         return DTensor.from_local(x, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
 
-def load_impl(path: str, required: tuple[str, ...], reference_comm: bool):
+class ThreadFG:
+    """f and g for the thread rehearsal (``rehearse``: ranks as threads, ``lablib.probes.rehearsal``), which
+    exercises 2 and 3 import there instead of ``DTensorFG`` (DTensor's collectives do not run on threads).
+
+    Made of what the rehearsal fakes, and unlike exercise 1's answer on purpose: f is the identity with a gradient
+    hook, g a sum whose gradient passes through; both sum by ``dist.all_gather`` and adding the ranks' tensors.
+    Exercise 1's check refuses it (no autograd Function, no all-reduce). ``calls`` counts per thread (each thread
+    is a rank)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @property
+    def calls(self) -> Counter:
+        if not hasattr(self._local, "calls"):
+            self._local.calls = Counter()
+        return self._local.calls
+
+    @staticmethod
+    def _sum(t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.detach().contiguous())
+        total = parts[0].clone()
+        for part in parts[1:]:                 # rank order, as the rehearsal sums
+            total += part
+        return total
+
+    def f(self, x: torch.Tensor, group) -> torch.Tensor:
+        self.calls["f"] += 1
+        y = x.view_as(x)
+        if y.requires_grad:
+            y.register_hook(self._sum)
+        return y
+
+    def g(self, x: torch.Tensor, group) -> torch.Tensor:
+        self.calls["g"] += 1
+        return self._sum(x) + (x - x.detach())    # the sum's value; the gradient reaches x unchanged
+
+
+def load_impl(path: str, required: tuple[str, ...], reference_comm: bool | str):
     """The exercise module at path, loaded fresh, its folder importable (exercises 2 and 3 import f and g
     from exercise 1's file beside them). With reference_comm, that import gets a stand-in module holding a new
     ``DTensorFG``'s f and g, whatever exercise 1's file holds, and the module gets the pair as ``course_f_g`` (its
-    ``calls`` tell the checks where f and g were called)."""
+    ``calls`` tell the checks where f and g were called). ``reference_comm="threads"``: ``ThreadFG`` instead,
+    for the thread rehearsal."""
     folder = str(require_file(path).parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
     sys.modules.pop(COMM_MODULE, None)          # an older tp_comm_impl: the file as last written is what runs
     if reference_comm:
-        stand_in, pair = types.ModuleType(COMM_MODULE), DTensorFG()
+        stand_in, pair = types.ModuleType(COMM_MODULE), (ThreadFG() if reference_comm == "threads" else DTensorFG())
         stand_in.f, stand_in.g = pair.f, pair.g
         sys.modules[COMM_MODULE] = stand_in
     try:
@@ -169,6 +210,41 @@ def probe_without_processes(impl, exercise: str, cases: tuple[str, ...] | None =
             return [probe_f_g(impl, 1, group, 0, tuple(cases or ("plain",)))]
         return [probe_layer(impl, kind, 1, group, env, case=case, steps=2)
                 for kind in KINDS[exercise] for case in (cases or ("bias", "nobias")) if case != "indivisible"]
+
+
+def rehearse(path: str, exercise: str, world_size: int, cases) -> list[dict]:
+    """The exercise's probes on ``world_size`` threads standing in for ranks (``lablib.probes.rehearsal``), in a
+    second, before the torchrun start: one merged record per (kind, case), marked ``rehearsal`` (the collectives
+    are not counted there: the fakes stand beside torch's communication ops; values, shapes, refusals and the calls
+    of f and g are checked). Exercises 2 and 3 run with ``ThreadFG``. [] when the rehearsal cannot emulate what the
+    code calls (``RehearsalUnsupported``): the real run decides."""
+    from lablib.probes.rehearsal import RehearsalUnsupported, run_in_thread_ranks
+
+    if dist.is_initialized():                  # the rehearsal replaces torch.distributed's functions for a moment
+        return []
+    impl = load_impl(path, REQUIRED[exercise], reference_comm=False if exercise == "f_g" else "threads")
+    group = "rehearsal"                        # the fakes ignore the group: every thread is in it
+
+    def body(rank: int) -> list[dict]:
+        env = DistEnv(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
+        if exercise == "f_g":
+            return [probe_f_g(impl, world_size, group, rank, tuple(cases))]
+        return [probe_indivisible(impl, kind, world_size, group) if case == "indivisible" else
+                probe_layer(impl, kind, world_size, group, env, case=case, steps=2)
+                for kind, case in runs_of(exercise, cases)]
+    try:
+        per_rank = run_in_thread_ranks(world_size, body)
+    except RehearsalUnsupported:
+        return []
+    return [{**merge_ranks(list(records)), "rehearsal": True} for records in zip(*per_rank)]
+
+
+def check_rehearsal(records: list[dict]) -> None:
+    """The checks of a rehearsal's records, where the rehearsal can judge: a record whose probe raised (the
+    student's code, or something threads cannot emulate) is left to the real run."""
+    for r in records:
+        if not r.get("error"):
+            check_record(r)
 
 
 def gather_record(record: dict, env, group) -> dict:

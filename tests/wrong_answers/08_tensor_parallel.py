@@ -10,7 +10,15 @@ grader's kernel and ranks can import ``instructor``; lab 08 keeps no f and g the
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from wrong_answers import SolutionCells
+
+# The red team's (a reviewer who had read only the released notebook): added to each list below.
+_spec = importlib.util.spec_from_file_location("redteam_08", Path(__file__).with_name("redteam_08_tensor_parallel.py"))
+_redteam = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_redteam)
 
 _cells = SolutionCells("08_tensor_parallel")
 _changed = _cells.changed
@@ -214,3 +222,8 @@ CORRECT_VARIANTS = {
              "        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))             # (B, h/N, T, hs)"))),
     ],
 }
+
+for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
+    WRONG_ANSWERS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)
+for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
+    CORRECT_VARIANTS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)
