@@ -56,7 +56,8 @@ def _zero1_result(state_per_rank, world_size=2):
     return {"case": "mlp", "world_size": world_size, "steps": 10, "error": None, "is_optimizer": True, "element_size": 4,
             "param_groups": [{"n_params": 12}], "reference_groups": [{"n_params": 12}], "steps_not_bit_equal": [],
             "full_state_bytes": sum(sizes), "param_state_bytes": sizes,
-            "held_per_rank": [{"optimizer": s} for s in state_per_rank]}
+            "held_per_rank": [{"optimizer": s} for s in state_per_rank],
+            "state_entries_per_rank": [6, 6], "greedy_state_bytes": [sum(sizes) // 2, sum(sizes) - sum(sizes) // 2]}
 
 
 def test_zero1_checks_pass_a_balanced_sharding_and_reject_round_robin_and_replication():
@@ -66,6 +67,9 @@ def test_zero1_checks_pass_a_balanced_sharding_and_reject_round_robin_and_replic
         zero_probes.check_probe(_zero1_result([6 * (8 * 1024 + 4), 6 * (8 * 32 + 4)]), "zero1")
     with pytest.raises(AssertionError, match="summed over the ranks"):  # plain AdamW on every rank
         zero_probes.check_probe(_zero1_result([total, total]), "zero1")
+    with pytest.raises(AssertionError, match="self.state"):             # self.state left empty
+        zero_probes.check_probe({**_zero1_result([total // 2, total - total // 2]), "state_entries_per_rank": [0, 0]},
+                                "zero1")
 
 
 def test_lab04_formula_is_lab04s_notebook_cell_beside_lab07_never_a_solutions_path(tmp_path):

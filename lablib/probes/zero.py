@@ -42,6 +42,7 @@ def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int 
                seed: int = 0) -> dict:
     """Train the student's class and plain AdamW side by side on group's ranks (world size 1 in a notebook)."""
     case = CASES[case_name]
+    steps = min(steps, case.steps)
     world_size = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     model, reference = build(case, seed), build(case, seed)      # the same initial weights on every rank
@@ -127,6 +128,12 @@ def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int 
             tap.remove()
             held = held_bytes(model, student)
             out["held_per_rank"] = gather_objects(held, env, group) if world_size > 1 else [held]
+            if exercise == "zero1":          # the state this rank's optimizer reports: self.state, its entries
+                entries = sum(1 for v in student.state.values() if v)
+                out["state_entries_per_rank"] = gather_objects(entries, env, group) if world_size > 1 else [entries]
+                out["greedy_state_bytes"] = greedy_state_bytes(param_groups(model, case), case, model, world_size)
+            student.zero_grad()              # "no gradient left": counted after it
+            out["grads_after_zero_grad"] = held_bytes(model, student)["grads"]
         out["steps_not_bit_equal"] = mismatch
         out["max_abs_diff_vs_adamw"] = max(diffs)
         if exercise == "zero2":
@@ -138,6 +145,20 @@ def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int 
     except Exception as exc:  # noqa: BLE001 - a wrong answer is a result to report, not a crash of the run
         out["error"] = error_in_impl(exc)
     return out
+
+
+def greedy_state_bytes(groups, case, model, world_size: int) -> list[int]:
+    """AdamW state bytes per rank (sorted) when every parameter goes, largest first within each add_param_group
+    call, to the rank that owns the fewest parameter bytes so far, counted over all groups (the late head's group
+    last): the exercise's rule. Ties between equal loads or equal sizes only permute the ranks' totals."""
+    loads, state = [0] * world_size, [0] * world_size
+    late = [list(model.head.parameters())] if case.late_head >= 0 else []
+    for params in [g["params"] for g in groups] + late:
+        for p in sorted(params, key=lambda p: p.numel() * p.element_size(), reverse=True):
+            r = min(range(world_size), key=lambda i: loads[i])
+            loads[r] += p.numel() * p.element_size()
+            state[r] += (2 * p.numel() * p.element_size() + 4) if p.requires_grad else 0
+    return sorted(state)
 
 
 def rehearse(impl, exercise: str, runs) -> list[dict]:
@@ -173,12 +194,21 @@ def check_probe(r: dict, exercise: str) -> None:
         checks.check_equal(sum(state), r["full_state_bytes"],
                            f"{where}: optimizer-state bytes summed over the ranks (each parameter's state on its owner "
                            f"only), per rank {state}", hint="each rank's inner optimizer gets only the parameters it owns")
+        checks.check_equal(sum(r["state_entries_per_rank"]), len(r["param_state_bytes"]),
+                           f"{where}: parameters with a state in self.state, summed over the ranks (per rank "
+                           f"{r['state_entries_per_rank']})", hint="self.state is the inner optimizer's state "
+                                                                   "(self.state = self.inner.state)")
         bound = r["full_state_bytes"] / n + max(r["param_state_bytes"]) + 4 * len(r["param_state_bytes"])
         checks.check_true(max(state) <= bound,
                           f"{where}: the fullest rank holds {max(state):,} bytes of state; balanced by size it "
                           f"holds at most {bound:,.0f} (the average {r['full_state_bytes'] / n:,.0f} + the "
                           f"largest parameter's); per rank {state}",
                           hint="give each parameter, largest first, to the rank that owns the fewest bytes so far")
+        checks.check_equal(sorted(state), r["greedy_state_bytes"],
+                           f"{where}: optimizer-state bytes per rank (sorted) against the rule's (largest first, each "
+                           f"to the rank that owns the fewest bytes so far, over every group added)",
+                           hint="keep the ranks' loads across add_param_group calls: a group added later continues "
+                                "from the loads so far")
         return
     check_gradient_then_update(r, where, "reduce-scatter the zero-padded flat gradient, divide by N (the mean, not "
                                "the sum), make it the shard's .grad; shard r is elements [r*S, (r+1)*S)",
@@ -187,6 +217,8 @@ def check_probe(r: dict, exercise: str) -> None:
     checks.check_equal(r["weight_spread_across_ranks"], 0.0, f"{where}: parameters identical on every rank")
     checks.check_equal(r["full_grads_kept_after_step"], 0, f"{where}: model parameters that still hold a full "
                        f".grad after step()", hint="keep only your shard's gradient: set every p.grad to None")
+    checks.check_equal(r["grads_after_zero_grad"], 0, f"{where}: gradient bytes held after zero_grad()",
+                       hint="zero_grad() leaves no gradient: the shard's .grad too")
     shard = -(-r["n_params"] // n)             # S = ceil(numel / N)
     padded = elem * n * shard                  # the flat buffer's bytes
     expected = {"reduce_scatter": padded, "all_gather": padded}

@@ -77,6 +77,7 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
     reference, _ = build_case(case, seed)
     model.to(env.device), reference.to(env.device)
     stack = STACK_CASES.get(case)
+    steps = min(steps, stack.steps) if stack else steps
     n_micro = stack.micro_batches if stack else 1
     dtype = next(model.parameters()).dtype
     elem = next(model.parameters()).element_size()
@@ -103,6 +104,11 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             student = impl.ZeRO3(model, blocks, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
             units = student.all_units()
+            for i, u in enumerate(units):    # at rest the full buffers are freed: a shard that is a view of one is gone
+                if u.shard.untyped_storage().nbytes() < u.shard.numel() * u.shard.element_size():
+                    raise ValueError(f"unit {i}'s shard has {u.shard.untyped_storage().nbytes()} bytes of storage for "
+                                     f"{u.shard.numel()} elements: it is a view of the full buffer that free() "
+                                     f"released; make it a .clone() (it must outlive free())")
             tap = GradientTap([p for n, p in model.named_parameters()])   # in ref_params' order
             for step in range(steps):
                 x, y = (t.to(env.device) for t in my_batch(case, step, rank, world_size, per_rank, seed))
@@ -163,6 +169,8 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
                     if not equal:
                         mismatch.append(step)
             tap.remove()
+            student.zero_grad()              # "no gradient left": counted after it
+            out["grads_after_zero_grad"] = held_bytes(model, student, shards=[u.shard for u in units])["grads"]
             out["held_per_rank"] = gather_objects(rest[-1], env, group) if world_size > 1 else [rest[-1]]
             peaks = {"forward": max(fwd_peaks), "backward": max(bwd_peaks)}
             out["gathered_peak_per_rank"] = gather_objects(peaks, env, group) if world_size > 1 else [peaks]

@@ -42,15 +42,16 @@ class Case:
     dtype: str = "float32"    # the model's dtype, so the flat buffers' and the shards'
     micro_batches: int = 1    # backwards per optimizer step (gradient accumulation), each on a part of the batch
     frozen: bool = False      # the first layer does not require gradients (not trained, not sharded)
+    steps: int = 10           # optimizer steps (at most): the hidden cases' properties show in 3
 
 
 CASES = {
     "mlp": Case(32, (32,) * 6),                                  # 6,369 parameters: odd, padding at N = 2 and 4
     "uneven": Case(16, (200, 3, 61, 7)),                         # sizes from 1 to 3,200; 4,689: padding at N = 2 and 4
     "groups": Case(16, (48, 48, 48, 48), groups=True, late_head=3),
-    "float64": Case(12, (24, 5, 24), dtype="float64"),           # 606 parameters of 8 bytes: padding at N = 4
-    "accum": Case(16, (24, 7, 24), micro_batches=2),             # 800 parameters, two micro-batches per step
-    "frozen": Case(16, (24, 9, 24), frozen=True),                # 408 frozen, 490 trained
+    "float64": Case(12, (24, 5, 24), dtype="float64", steps=3),           # 606 parameters of 8 bytes: padding at N = 4
+    "accum": Case(16, (24, 7, 24), micro_batches=2, steps=3),             # 800 parameters, two micro-batches per step
+    "frozen": Case(16, (24, 9, 24), frozen=True, steps=3),                # 408 frozen, 490 trained
 }
 LR, WEIGHT_DECAY = 1e-2, 0.1
 LATE_GROUP = {"lr": LR / 2, "weight_decay": 0.05}

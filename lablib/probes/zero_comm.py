@@ -44,8 +44,22 @@ def _message_bytes(name: str, args, kwargs, world_size: int) -> int:
     return _tensor_bytes(first)        # all_gather_into_tensor's output; broadcast's, all_reduce's tensor
 
 
+def _check_memory(name: str, args, kwargs) -> None:
+    """A tensor whose storage holds fewer bytes than it spans (a freed buffer, resized to 0 and not back) would be
+    written out of bounds: in this process that kills the notebook's kernel. Say so instead."""
+    for t in [*args, *kwargs.values()]:
+        for x in (t if isinstance(t, (list, tuple)) else [t]):
+            if isinstance(x, torch.Tensor) and x.numel():
+                needed = (x.storage_offset() + x.numel()) * x.element_size()
+                if x.untyped_storage().nbytes() < needed:
+                    raise ValueError(f"dist.{name} got a tensor of {x.numel()} elements whose storage holds "
+                                     f"{x.untyped_storage().nbytes()} bytes of the {needed} it spans (a freed "
+                                     f"buffer?): resize the storage back before a collective writes into it")
+
+
 def _recorded(name: str, fake, world_size: int):
     def call(*args, **kwargs):
+        _check_memory(name, args, kwargs)
         log = getattr(_thread, "log", None)
         if log is not None:
             log.record(COURSE_NAMES[name], _message_bytes(name, args, kwargs, world_size), world_size, name)

@@ -1,56 +1,40 @@
-"""Wrong answers for lab 07 (see tests/wrong_answers/__init__.py): the solution's own cells, one mistake each."""
+"""Wrong answers for lab 07 (see tests/wrong_answers/__init__.py): the solution's own cells, one mistake each, and the
+answers of a reviewer who had read only the released notebook (``redteam_07_zero_from_scratch.py`` beside this file).
+Where a mistake of ours and one of the reviewer's were the same, the reviewer's is kept. Every one fails in the thread
+rehearsal (no torchrun start), several only in its hidden cases."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from wrong_answers import SolutionCells
+
+_spec = importlib.util.spec_from_file_location("redteam_07", Path(__file__).with_name("redteam_07_zero_from_scratch.py"))
+_redteam = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_redteam)
+
+
+def _red(exercise: str, table: dict) -> list[tuple[str, str]]:
+    return [(f"red team: {description}", source) for description, source in table[exercise]]
 
 LAB = "07_zero_from_scratch"
 _cells = SolutionCells(LAB)
 _changed = _cells.changed
 
-_GREEDY = '''        for p in sorted(group["params"], key=lambda p: p.numel() * p.element_size(), reverse=True):
-            rank = min(range(self.world_size), key=lambda r: self.owned_bytes[r])
-            self.owner[p] = rank'''
-
 WRONG_ANSWERS = {
     "sharded_optimizer": [
-        # Every one fails in the rehearsal on ranks that are threads (no torchrun start). This one at world size 1:
-        # the late group's parameters are never updated.
-        ("add_param_group after construction records the group but never gives it to the inner optimizer", _changed(
-            "sharded_optimizer", ("        if self.inner is not None:                    # a group added after construction\n"
-                                  "            self.inner.add_param_group(self._owned([group])[0])\n", ""))),
-        ("no sharding: every rank's inner optimizer gets every parameter (plain AdamW on each rank)", _changed(
-            "sharded_optimizer", ('"params": [p for p in g["params"] if self.owner[p] == self.rank]}',
-                                  '"params": list(g["params"])}'))),
+        # Every one fails in the rehearsal on ranks that are threads (no torchrun start).
         ("the owner forgets to send: no broadcast after the inner step", _changed(
             "sharded_optimizer", ("                    dist.broadcast(p, src=self.owner[p])   # the owner's updated values, on every rank",
                                   "                    pass"))),
         ("every parameter broadcast from rank 0, not from its owner", _changed(
             "sharded_optimizer", ("dist.broadcast(p, src=self.owner[p])", "dist.broadcast(p, src=0)"))),
-        ("owners assigned round-robin by count, not balanced by size", _changed(
-            "sharded_optimizer", (_GREEDY, '''        for p in group["params"]:
-            rank = len(self.owner) % self.world_size
-            self.owner[p] = rank'''))),
-        ("step() never copies the outer groups' hyperparameters: an lr schedule does not reach the inner optimizer",
-         _changed("sharded_optimizer", ("            mine.update({k: v for k, v in group.items() if k != \"params\"})   "
-                                        "# e.g. an lr schedule's new lr\n", "            pass\n"))),
     ],
     "zero2": [
-        # Caught in this process (world size 1): the full gradients are still there after step().
-        ("keeps the full gradients after the reduce-scatter (p.grad never freed)", _changed(
-            "zero2", ("            p.grad = None                                         # the full gradient is not kept\n", ""))),
-        ("sums the gradients over the ranks instead of averaging them", _changed(
-            "zero2", ("        self.shard.grad = shard_grad.div_(self.world_size)        # the mean\n",
-                      "        self.shard.grad = shard_grad\n"))),
-        ("no all-gather after the step: each rank has only its own shard updated", _changed(
-            "zero2", ("        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())   # every rank's new shard\n", ""))),
         ("a padding element leaks into the update: shard r starts at r * (numel // N), not r * S", _changed(
             "zero2", ("        start = self.rank * self.shard_numel\n",
                       "        start = self.rank * (numel // self.world_size)\n"))),
-        ("all-reduces the whole flat gradient and keeps its own slice (right numbers, twice the bytes)", _changed(
-            "zero2", ("        dist.reduce_scatter_tensor(shard_grad, grads)             # sum over ranks of shard r -> rank r\n",
-                      "        dist.all_reduce(grads)\n"
-                      "        shard_grad.copy_(grads[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel])\n"))),
         ("all-gathers the parameters with N broadcasts, one per owner", _changed(
             "zero2", ("        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())   # every rank's new shard\n",
                       "        for r in range(self.world_size):\n"
@@ -59,14 +43,7 @@ WRONG_ANSWERS = {
 }
 
 WRONG_ANSWERS["zero3"] = [
-    # Each fails in the rehearsal on ranks that are threads (no torchrun start); the first two at world size 1.
-    ("never frees a block after its forward: every block's full parameters stay gathered through the forward",
-     _changed("zero3", ("until its backward.\"\"\"\n        self.free(unit)\n", "until its backward.\"\"\"\n        pass\n"))),
-    ("does not gather a block again for its backward (the backward finds its weights freed)",
-     _changed("zero3", ("saved views of them).\"\"\"\n        self.gather(unit)\n",
-                        "saved views of them).\"\"\"\n        pass\n"))),
-    ("sums the gradients over the ranks instead of averaging them", _changed(
-        "zero3", ("        shard_grad.div_(self.world_size)                           # the mean\n", ""))),
+    # Each fails in the rehearsal on ranks that are threads (no torchrun start).
     ("a second micro-batch overwrites the shard's gradient instead of adding to it", _changed(
         "zero3", ("        if unit.shard.grad is None:\n            unit.shard.grad = shard_grad\n"
                   "        else:                                                      # a second micro-batch: accumulate\n"
@@ -75,10 +52,6 @@ WRONG_ANSWERS["zero3"] = [
         "zero3", ("        self.free(unit)                                            # its backward is done\n", ""),
                  ("        self.optimizer.step()\n", "        self.optimizer.step()\n"
                   "        for unit in self.all_units():\n            self.free(unit)\n"))),
-    ("all-reduces each block's gradient and keeps its own slice", _changed(
-        "zero3", ("        dist.reduce_scatter_tensor(shard_grad, grads)              # sum over ranks of shard r -> rank r\n",
-                  "        dist.all_reduce(grads)\n"
-                  "        shard_grad.copy_(grads[self.rank * unit.shard_numel:(self.rank + 1) * unit.shard_numel])\n"))),
     ("gathers a block with N broadcasts, one per rank's shard", _changed(
         "zero3", ("        dist.all_gather_into_tensor(unit.full, unit.shard.detach())\n",
                   "        for r in range(self.world_size):\n"
@@ -87,9 +60,6 @@ WRONG_ANSWERS["zero3"] = [
                   "            dist.broadcast(piece, src=r)\n"))),
     ("a padding element leaks into the update: shard r starts at r * (numel // N), not r * S", _changed(
         "zero3", ("        start = rank * self.shard_numel\n", "        start = rank * (numel // world_size)\n"))),
-    ("keeps the full gradients after the reduce-scatter (p.grad never freed)", _changed(
-        "zero3", ("            p.grad = None                                          # the full gradient is not kept\n",
-                  ""))),
 ]
 
 
@@ -138,3 +108,18 @@ CORRECT_VARIANTS = {
 """))),
     ],
 }
+
+
+for _exercise in WRONG_ANSWERS:
+    WRONG_ANSWERS[_exercise] += _red(_exercise, _redteam.WRONG_ANSWERS)
+CORRECT_VARIANTS["sharded_optimizer"] += _red("sharded_optimizer", _redteam.CORRECT_VARIANTS)
+CORRECT_VARIANTS["zero2"] += _red("zero2", _redteam.CORRECT_VARIANTS)
+# The reviewer's ZeRO3 variant was written when the text did not yet say that a second backward before step() adds to
+# the shard's gradient: it overwrites it, a wrong answer now (the hidden two-micro-batch case); with the addition it is
+# a correct variant.
+(_description, _source), = _redteam.CORRECT_VARIANTS["zero3"]
+WRONG_ANSWERS["zero3"].append((f"red team (written before accumulation was asked for): {_description}", _source))
+_OVERWRITES = "        unit.shard.grad = out / N\n"
+assert _OVERWRITES in _source
+CORRECT_VARIANTS["zero3"].append((f"red team, adding on a second backward: {_description}", _source.replace(
+    _OVERWRITES, "        unit.shard.grad = out / N if unit.shard.grad is None else unit.shard.grad + out / N\n")))
