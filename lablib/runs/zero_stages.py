@@ -7,16 +7,18 @@ Lab 04's GPT, batches and PyTorch variants (``lablib.parallel.zero_states``, whi
 DDP + ZeroRedundancyOptimizer, FSDP2 with and without resharding after the forward, and FSDP2 gathering bf16
 copies of its fp32 shards and reducing the gradients in fp32), plus the students' classes:
 
-- ``zero1_yours``  DDP (``gradient_as_bucket_view``) + the student's ``ShardedOptimizer(AdamW)``;
+- ``zero1_yours``  DDP (``gradient_as_bucket_view=True``, not DDP's default) + the student's
+                   ``ShardedOptimizer(AdamW)``;
 - ``zero2_yours``  the student's ``ZeRO2(model, AdamW)``: no DDP, its own reduce-scatter and all-gather;
 - ``zero3_yours``  the student's ``ZeRO3(model, model.h, AdamW)``: each transformer block a unit, gathered in
                    its hooks (the blocks' shards count as parameters).
 
 Every variant trains the same AdamW steps from the same weights on the same batches. In the last step each rank
 counts what it holds after the forward, the backward and the step (storages, each once: ``memory.model_state_bytes``
-for PyTorch's variants, ``zero_probes.held_bytes`` for the students', which also finds state kept under any
-name) and records every collective it calls (``lablib.measure.counting``; DDP's bucket all-reduces through its
-communication hook); one more step is sampled at every module boundary (``HeldTimeline``). Each step is timed
+for PyTorch's variants, ``zero_held.held_bytes`` for the students', which also finds state kept under any
+name; DDP's buckets, which exist from its construction, at every moment once a backward has shown them) and
+records every collective it calls (``lablib.measure.counting``; DDP's bucket all-reduces through its communication
+hook), with when each was called and completed (rank 0's, for the per-call timeline); one more step is sampled at every module boundary (``HeldTimeline``). Each step is timed
 (``lablib.measure.timing``), and the two ZeRO-1s (yours and PyTorch's) are timed again taking turns
 (``paired_step_times``); rank 0 writes losses, bytes, collectives, the timelines and times, and with them
 ``formula_slack_bytes``: how far above lab 04's formula each variant's fullest rank may be, from what the formula
