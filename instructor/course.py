@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from instructor.grading import (CourseLayout, StudentGrade, _nbgrader, collect_submissions, grade,  # noqa: F401
-                                infrastructure_failures, write_report)
+                                grade_class, infrastructure_failures, write_report)
 
 REPO = Path(__file__).resolve().parent.parent
 SOLUTIONS, LABS = REPO / "solutions", REPO / "labs"
@@ -102,6 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--job-disk", type=float, default=4, metavar="GiB",
                    help="--jobs: what one student's job may write (default 4)")
     p.add_argument("--job-processes", type=int, default=64, help="--jobs: processes of one job (default 64)")
+    p.add_argument("--slurm", action="store_true",
+                   help="grade in a Slurm job array (sbatch); --jobs is then the students graded at once per task")
+    p.add_argument("--slurm-tasks", type=int, default=None, help="--slurm: tasks in the array (default: 4 "
+                   "students per job slot)")
+    p.add_argument("--slurm-args", default="", help="--slurm: more sbatch options, e.g. '--partition=cpu'")
     p.add_argument("--force", action="store_true",
                    help="grade again students whose notebook and the lab are unchanged since the last run")
     args = parser.parse_args(argv)
@@ -120,10 +125,12 @@ def main(argv: list[str] | None = None) -> None:
         layout = CourseLayout.isolated(out / "course", lab) if args.out else CourseLayout.repository()
         subs = collect_submissions(args.submissions, lab, out / "unzipped")
         print(f"grading {len(subs)} submission(s) of {lab}: {', '.join(subs)}")
-        from instructor.parallel_grade import GiB, Limits, grade_class
+        from instructor.parallel_grade import GiB, Limits
         limits = Limits(memory_bytes=int(args.job_memory * GiB), disk_bytes=int(args.job_disk * GiB),
                         file_bytes=int(min(args.job_disk, 2) * GiB), processes=args.job_processes)
-        results = grade_class(lab, subs, layout, out, args.jobs, args.timeout, force=args.force, limits=limits)
+        slurm = {"tasks": args.slurm_tasks, "sbatch_args": args.slurm_args} if args.slurm else None
+        results = grade_class(lab, subs, layout, out, args.jobs, args.timeout, force=args.force, limits=limits,
+                              slurm=slurm)
         csv_path = write_report(lab, results, layout, out)
         for r in results:
             print(f"  {r.student:20s} {r.status:10s} {r.auto_score:g}/{r.auto_max:g} auto"

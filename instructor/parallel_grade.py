@@ -159,22 +159,33 @@ def _job_env(job_id: str, folder: Path, site: Path, share: int) -> dict:
     return env
 
 
+def setup(lab: str, layout: CourseLayout, work: Path) -> Path:
+    """Record the lab in the class's course and in a template course each job copies (side by side)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shutil.rmtree(work, ignore_errors=True)
+    template = CourseLayout.isolated(work / "template", lab)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda course: prepare(lab, course), (layout, template)))
+    (work / "site").mkdir()
+    (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return template.root
+
+
 def grade_parallel(lab: str, submissions: dict[str, Path], layout: CourseLayout, work: Path, jobs: int,
                    per_student_timeout_s: float = 1800, feedback: bool = True, limits: Limits | None = None,
                    progress=print) -> list[StudentGrade]:
     """grading.grade's results for the same submissions, graded `jobs` at a time (see the module's notes)."""
+    setup(lab, layout, work)
+    results = run_jobs(lab, submissions, work, jobs, cpu_share(jobs), per_student_timeout_s, limits, progress)
+    return finish_class(lab, layout, work, submissions, results, feedback)
+
+
+def run_jobs(lab: str, submissions: dict[str, Path], work: Path, jobs: int, share: int,
+             per_student_timeout_s: float, limits: Limits | None = None, progress=print) -> dict[str, StudentGrade]:
+    """Grade each student in a job of its own under work/jobs/, `jobs` at a time, each job `share` cores."""
     limits = limits or Limits()
-    from concurrent.futures import ThreadPoolExecutor
-
-    shutil.rmtree(work, ignore_errors=True)
-    template = CourseLayout.isolated(work / "template", lab)   # the course each job copies
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda course: prepare(lab, course), (layout, template)))
-    site = work / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    share = cpu_share(jobs)
-
+    template, site = work / "template", work / "site"
     queue = list(submissions.items())
     running: list[_Job] = []
     results: dict[str, StudentGrade] = {}
@@ -186,7 +197,7 @@ def grade_parallel(lab: str, submissions: dict[str, Path], layout: CourseLayout,
             (folder / "tmp").mkdir(parents=True)
             job_id = f"{os.getpid()}-{student}-{time.monotonic_ns()}"
             cmd = [sys.executable, "-m", "instructor.parallel_grade", "_one", lab, student, str(notebook),
-                   str(folder), str(template.root), str(per_student_timeout_s)]
+                   str(folder), str(template), str(per_student_timeout_s)]
             with open(folder / "worker.log", "w") as log:
                 proc = subprocess.Popen(cmd, cwd=folder, env=_job_env(job_id, folder, site, share), stdout=log,
                                         stderr=subprocess.STDOUT, preexec_fn=_set_limits(limits))
@@ -222,7 +233,12 @@ def grade_parallel(lab: str, submissions: dict[str, Path], layout: CourseLayout,
             progress(f"[grade {lab}] {done}/{len(submissions)} done, {failed} failed, {len(running)} running,"
                      f" about {left / 60:.1f} min left")
             last_line = now
+    return results
 
+
+def finish_class(lab: str, layout: CourseLayout, work: Path, submissions: dict[str, Path],
+                 results: dict[str, StudentGrade], feedback: bool = True) -> list[StudentGrade]:
+    """Merge the jobs' results into the class's course, write feedback, read every score from its gradebook."""
     merge(lab, layout, work, submissions, results)
     shutil.rmtree(work, ignore_errors=True)
     if feedback:
@@ -264,58 +280,6 @@ def merge(lab: str, layout: CourseLayout, work: Path, submissions: dict[str, Pat
                          *MERGE_ARGS], cwd=layout.root, timeout_s=600)
     if rc != 0:
         raise SystemExit(f"merging the graded notebooks into {layout.db} failed:\n{out[-3000:]}")
-
-
-def lab_fingerprint(lab: str) -> str:
-    """What a grade depends on besides the notebook: the lab's source (its tests, hidden ones too), the
-    references hidden tests use, and lablib (the visible checks)."""
-    import hashlib
-
-    from instructor.grading import REPO, SOLUTIONS
-
-    h = hashlib.sha256()
-    for root in (SOLUTIONS / lab, REPO / "instructor" / "references", REPO / "lablib"):
-        for f in sorted(root.rglob("*")):
-            if f.is_file() and "__pycache__" not in f.parts and ".ipynb_checkpoints" not in f.parts:
-                h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
-
-
-def grade_class(lab: str, submissions: dict[str, Path], layout: CourseLayout, out: Path, jobs: int | None,
-                per_student_timeout_s: float, force: bool = False, limits: Limits | None = None,
-                progress=print) -> list[StudentGrade]:
-    """launchers/grade: keep the grade of a student whose notebook and the lab are unchanged since the last
-    run in this course (unless force; never one marked infrastructure), grade the others serially (jobs None)
-    or side by side, and read every score from the one gradebook."""
-    import hashlib
-
-    from instructor.grading import grade
-
-    state_file = out / "grading_state.json"
-    state = json.loads(state_file.read_text()) if state_file.exists() else {}
-    fingerprint = lab_fingerprint(lab)
-    keys = {s: hashlib.sha256(fingerprint.encode() + Path(nb).read_bytes()).hexdigest()
-            for s, nb in submissions.items()}
-    kept = {} if force else {
-        s: StudentGrade(**state[s]["result"]) for s in submissions
-        if s in state and state[s]["key"] == keys[s] and state[s]["result"]["status"] != "infrastructure"
-        and (layout.autograded / s / lab).exists() == (state[s]["result"]["status"] == "ok")}
-    todo = {s: nb for s, nb in submissions.items() if s not in kept}
-    if kept:
-        progress(f"[grade {lab}] {len(kept)} unchanged since the last run keep their grade (--force grades "
-                 f"them again): {', '.join(kept)}")
-    new: list[StudentGrade] = []
-    if todo and jobs is None:
-        new = grade(lab, todo, layout, per_student_timeout_s=per_student_timeout_s)
-    elif todo:
-        new = grade_parallel(lab, todo, layout, out / "jobs", jobs, per_student_timeout_s, limits=limits,
-                             progress=progress)
-    by_student = {**kept, **{r.student: r for r in new}}
-    results = read_scores(lab, layout, [by_student[s] for s in submissions])
-    state.update({r.student: {"key": keys[r.student], "result": asdict(r)} for r in results})
-    out.mkdir(parents=True, exist_ok=True)
-    state_file.write_text(json.dumps(state, indent=1))
-    return results
 
 
 def _one(lab: str, student: str, notebook: str, folder: str, template: str, timeout_s: str) -> None:
