@@ -26,6 +26,7 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.measure.rankcheck`` which samples each rank saw, whether the ranks' weights agree, and the rounding
                                bounds two runs that differ only in summation order must stay within
 - ``lablib.measure.p2p``       point-to-point sends and receives that count their bytes (lab 02)
+- ``lablib.measure.ddp_timeline`` lab 06's per-rank step timeline (CPU clocks on gloo, a profiler trace on GPUs)
 - ``lablib.measure.pipeline_costs`` a measured pipeline step as stage times, latency and gap; played again with them
 
 ``lablib.course``: the course's models, data and formulas (no parallelism inside)
@@ -51,6 +52,8 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.ring_rehearsal``  lab 02's ring rehearsed on threads (sends and receives matched as gloo matches them)
 - ``lablib.probes.gpt_migration``   lab 05's exercise code on the ranks
 - ``lablib.probes.ddp``             lab 06's DDP classes on the ranks
+- ``lablib.probes.ddp_cases``       lab 06's test models and batches
+- ``lablib.probes.ddp_order``       lab 06's overlap verdicts from the order of events
 - ``lablib.probes.zero``            lab 07's ZeRO-1 and ZeRO-2 (vs AdamW, bytes each rank holds, collectives)
 - ``lablib.probes.zero3``           lab 07's ZeRO-3 (gathered per block in both passes, vs AdamW and FSDP2)
 - ``lablib.probes.zero3_cases``     lab 07's ZeRO-3 cases: models cut into units, batches, FSDP2 on the same data
