@@ -170,6 +170,29 @@ def test_first_failure_orders_signals_records_and_attempts(tmp_path):
     assert failure.earlier == ("attempt 0: rank 1: RuntimeError: A",)
 
 
+def test_a_rank_gloo_aborts_for_a_collective_mismatch_is_the_codes_fault_not_the_machines(tmp_path):
+    """gloo aborts (SIGABRT) a rank that receives a message larger than the collective it posted: ranks that called
+    different collectives, or the same with other sizes. That is an error in the code, reported as such."""
+    from lablib.jobs import outcome
+
+    (tmp_path / processes.TORCHRUN_LOG).write_text(textwrap.dedent("""
+        Root Cause (first observed failure):
+        [0]:
+          rank      : 1 (local_rank: 1)
+          exitcode  : -6 (pid: 602)  (SIGABRT)
+        """))
+    processes.rank_log(tmp_path, 1).write_text(
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+        "gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 1000 vs 12. Received data size doesn't "
+        "match expected size. Is there a distributed collective mismatch in your code?\nFatal Python error: Aborted\n"
+        + "".join(f"  File \"x.py\", line {i} in f\n" for i in range(60)))
+    error = outcome.failure_error("hello", 2, 1, tmp_path, "")
+    assert not isinstance(error, launch.RankKilledError) and error.rank == 1
+    assert "collectives did not match" in str(error)
+    processes.rank_log(tmp_path, 1).write_text("Fatal Python error: Segmentation fault\n")
+    assert isinstance(outcome.failure_error("hello", 2, 1, tmp_path, ""), launch.RankKilledError)
+
+
 def test_torchrun_exit_codes_are_read_root_cause_first():
     summary = textwrap.dedent("""
         Failures:

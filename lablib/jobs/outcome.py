@@ -8,6 +8,7 @@ notebook is told the root cause, not torchrun's noise.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -139,9 +140,29 @@ def hint(details: str) -> str:
     return ""
 
 
+# What gloo writes before it aborts a rank whose collective received a message of another size than it posted.
+GLOO_MISMATCH = re.compile(r"Received data size doesn't match expected size|collective mismatch|"
+                           r"op\.preamble\.length <= op\.nbytes")
+
+
+def _rank_log_text(run_dir: Path, rank: int) -> str:
+    path = processes.rank_log(run_dir, rank)
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def failure_error(step: str, nproc: int, rc: int, run_dir: Path, output: str) -> RunError:
     """The error a failed run raises: the first failure of its last attempt (a signal death is the machine's)."""
     first = processes.first_failure(run_dir)
+    if first.signal and first.rank is not None and GLOO_MISMATCH.search(_rank_log_text(run_dir, first.rank)):
+        # gloo aborts the process (SIGABRT) when a message does not fit the buffer the receiving collective posted
+        # (gloo/transport/tcp/pair.cc:456 in torch 2.13's build enforces op.preamble.length <= op.nbytes, seen in a
+        # run): the ranks called different collectives, or the
+        # same one with different sizes. That is the code's doing, not the machine's.
+        return RunError(
+            f"step {step!r} on {nproc} ranks failed: rank {first.rank} was aborted by gloo because the ranks' "
+            f"collectives did not match (a rank received more bytes than the collective it was in expected). Check "
+            f"that every rank calls the same collectives, in the same order, with tensors of the same size.",
+            first.rank, first.details)
     if first.signal:
         return RankKilledError(
             f"step {step!r} on {nproc} ranks failed: rank {first.rank} was killed by {first.signal}, not by "
