@@ -151,14 +151,17 @@ def grade_student(lab: str, student: str, notebook: Path, layout: CourseLayout,
 
     result = StudentGrade(student)
     target = layout.submitted / student / lab
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
+    in_place = Path(notebook).resolve() == (target / f"{lab}.ipynb").resolve()   # nbgrader collect put it there
+    if not in_place:
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
     try:
         nbformat.validate(nbformat.read(notebook, as_version=4))
     except Exception as exc:  # noqa: BLE001 - any unreadable file is that student's problem only
         result.status, result.message = "unreadable", f"not a valid notebook: {exc}"[:500]
         return result
-    shutil.copy(notebook, target / f"{lab}.ipynb")
+    if not in_place:
+        shutil.copy(notebook, target / f"{lab}.ipynb")
     t0 = time.perf_counter()
     rc, out = _nbgrader(["autograde", lab, "--student", student, "--force"], cwd=layout.root,
                         timeout_s=per_student_timeout_s, env=env)

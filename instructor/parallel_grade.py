@@ -266,10 +266,11 @@ def merge(lab: str, layout: CourseLayout, work: Path, submissions: dict[str, Pat
     shutil.rmtree(staging, ignore_errors=True)
     for student, result in results.items():
         target = layout.submitted / student / lab
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
-        if result.status != "unreadable":
-            shutil.copy(submissions[student], target / f"{lab}.ipynb")
+        if Path(submissions[student]).resolve() != (target / f"{lab}.ipynb").resolve():  # not collected there
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            if result.status != "unreadable":
+                shutil.copy(submissions[student], target / f"{lab}.ipynb")
         executed = work / "jobs" / student / "course" / "autograded" / student / lab / f"{lab}.ipynb"
         if result.status in ("ok", "infrastructure") and executed.is_file():
             (staging / student / lab).mkdir(parents=True)
