@@ -389,7 +389,7 @@ def test_by_hand_gradients_are_put_back_through_the_rows_found(one_rank):
 
 def test_megatron_layout_round_robin_heads_pass_on_two_ranks(tmp_path):
     """The lab's correct variant of exercise 3 (tests/wrong_answers/08_tensor_parallel.py) on real ranks."""
-    (description, source), = labkit.correct_variants(LAB)["tp_attention"]
+    description, source = labkit.correct_variants(LAB)["tp_attention"][0]
     impl = tmp_path / "tp_attention_impl.py"
     impl.write_text(source.split("\n", 1)[1])                      # without its %%writefile line
     run = launch.run("tensor_parallel", {"impl": str(impl), "exercise": "attention", "groups": ("2",),
