@@ -27,11 +27,13 @@ HOSTILE = {
 }
 
 
-def marked_processes():
+def marked_processes(folder):
+    """Processes of this test's grading jobs (others may be grading at the same time): marked, TMPDIR inside folder."""
     found = []
     for p in psutil.process_iter():
         try:
-            if JOB_MARKER in p.environ():
+            env = p.environ()
+            if JOB_MARKER in env and env.get("TMPDIR", "").startswith(str(folder)):
                 found.append(p.pid)
         except psutil.Error:
             pass
@@ -61,4 +63,4 @@ def test_hostile_submissions_cost_their_student_only(tmp_path):
                       "fills_disk": ("limits", 0.0), "eats_memory": ("limits", 0.0)}, rows
     assert "processes" in rows["forks"]["message"] and "memory" in rows["eats_memory"]["message"]
     assert "disk" in rows["fills_disk"]["message"], rows["fills_disk"]["message"]
-    assert not marked_processes(), "a process of a grading job survived"
+    assert not marked_processes(tmp_path), "a process of a grading job survived"
