@@ -49,6 +49,8 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 
 ``lablib.probes``: observers of the students' code behind the visible checks (properties, never an answer)
 - ``lablib.probes.rehearsal``       ranks as threads of this process: collectives rehearsed in a second before torchrun
+- ``lablib.probes.collectives``     lab 00's exercise 1 on the ranks: every collective, the errors torch raises, the cases
+- ``lablib.probes.job_setup``       lab 00's exercise 2 watched: a script's setup calls recorded, simulated GPUs, a slow disk
 - ``lablib.probes.ring_rehearsal``  lab 02's ring rehearsed on threads (sends and receives matched as gloo matches them)
 - ``lablib.probes.gpt_migration``   lab 05's exercise code on the ranks
 - ``lablib.probes.ddp``             lab 06's DDP classes on the ranks
