@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lablib.jobs.launch import available_cores
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -50,12 +52,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("labs", nargs="+")
     parser.add_argument("--copies", type=int, default=2, help="copies of the solution in the class (default 2)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="the side-by-side run (default: cores)")
+    parser.add_argument("--jobs", type=int, default=available_cores(), help="the side-by-side run (default: cores)")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
     from instructor.course import find_lab
 
-    print(f"{os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.1f}")
+    print(f"{available_cores()} cores; load average before: {os.getloadavg()[0]:.1f}")
     for lab in map(find_lab, args.labs):
         with tempfile.TemporaryDirectory(prefix=f"grading-benchmark-{lab[:2]}-") as tmp:
             n = _class(lab, args.copies, Path(tmp) / "class")

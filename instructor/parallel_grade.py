@@ -9,9 +9,9 @@ a submission that hangs, forks, fills the disk or eats memory costs that student
 - disk: RLIMIT_FSIZE per file, and the size of the job's folder (its TMPDIR too);
 - processes: the number of processes in the job (RLIMIT_NPROC counts a whole user, and not root at all).
 A job that passes a limit is stopped (its session, then every process still carrying its GRADE_JOB marker),
-status ``limits``. Threads: lablib.jobs.launch.default_threads_per_rank divides ``os.cpu_count()`` between
-ranks; a job's Python processes see ``os.cpu_count()`` = its share (GRADE_CPUS, read by a sitecustomize on the
-job's PYTHONPATH), and OMP/MKL threads of the kernel itself are the share too.
+status ``limits``. Threads: lablib.jobs.launch.default_threads_per_rank divides the cores the course may use
+between ranks; a job sets LABLIB_CORES (launch.CORES_VARIABLE) to its share, so a student's torchrun steps split
+that share, and OMP/MKL threads of the kernel itself are the share too.
 
 Rendezvous ports: the course's launcher runs torchrun ``--standalone``: its rendezvous store binds port 0 (the
 OS picks and holds a free port, torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py:156) and
@@ -38,6 +38,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lablib.jobs.launch import CORES_VARIABLE, available_cores
+
 from instructor.grading import (CourseLayout, StudentGrade, _nbgrader, grade_student, prepare,
                                 read_scores)
 
@@ -51,11 +53,6 @@ MERGE_ARGS = (
     "'nbgrader.preprocessors.SaveAutoGrades','nbgrader.preprocessors.AssignLatePenalties',"
     "'nbgrader.preprocessors.CheckCellMetadata']",
 )
-SITECUSTOMIZE = (
-    "import os\n"
-    "_share = os.environ.get('GRADE_CPUS')\n"
-    "if _share:  # set by instructor/parallel_grade.py: this grading job's share of the machine's cores\n"
-    "    os.cpu_count = lambda: int(_share)\n")
 GiB = 1 << 30
 
 
@@ -69,7 +66,7 @@ class Limits:
 
 
 def cpu_share(jobs: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, jobs))
+    return max(1, available_cores() // max(1, jobs))
 
 
 def _set_limits(limits: Limits):
@@ -151,10 +148,9 @@ class _Job:
     stopped: str = ""
 
 
-def _job_env(job_id: str, folder: Path, site: Path, share: int) -> dict:
-    env = {**os.environ, JOB_MARKER: job_id, "GRADE_CPUS": str(share), "OMP_NUM_THREADS": str(share),
-           "MKL_NUM_THREADS": str(share), "TMPDIR": str(folder / "tmp"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
+def _job_env(job_id: str, folder: Path, share: int) -> dict:
+    env = {**os.environ, JOB_MARKER: job_id, CORES_VARIABLE: str(share), "OMP_NUM_THREADS": str(share),
+           "MKL_NUM_THREADS": str(share), "TMPDIR": str(folder / "tmp")}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return env
 
@@ -167,8 +163,6 @@ def setup(lab: str, layout: CourseLayout, work: Path) -> Path:
     template = CourseLayout.isolated(work / "template", lab)
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda course: prepare(lab, course), (layout, template)))
-    (work / "site").mkdir()
-    (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return template.root
 
 
@@ -185,7 +179,7 @@ def run_jobs(lab: str, submissions: dict[str, Path], work: Path, jobs: int, shar
              per_student_timeout_s: float, limits: Limits | None = None, progress=print) -> dict[str, StudentGrade]:
     """Grade each student in a job of its own under work/jobs/, `jobs` at a time, each job `share` cores."""
     limits = limits or Limits()
-    template, site = work / "template", work / "site"
+    template = work / "template"
     queue = list(submissions.items())
     running: list[_Job] = []
     results: dict[str, StudentGrade] = {}
@@ -199,7 +193,7 @@ def run_jobs(lab: str, submissions: dict[str, Path], work: Path, jobs: int, shar
             cmd = [sys.executable, "-m", "instructor.parallel_grade", "_one", lab, student, str(notebook),
                    str(folder), str(template), str(per_student_timeout_s)]
             with open(folder / "worker.log", "w") as log:
-                proc = subprocess.Popen(cmd, cwd=folder, env=_job_env(job_id, folder, site, share), stdout=log,
+                proc = subprocess.Popen(cmd, cwd=folder, env=_job_env(job_id, folder, share), stdout=log,
                                         stderr=subprocess.STDOUT, preexec_fn=_set_limits(limits))
             running.append(_Job(student, Path(notebook), folder, proc, time.monotonic(), job_id))
         time.sleep(0.5)

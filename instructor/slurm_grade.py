@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from lablib.jobs.launch import available_cores
+
 from instructor.grading import REPO, CourseLayout, StudentGrade
 from instructor.parallel_grade import Limits, finish_class, run_jobs, setup
 
@@ -87,7 +89,7 @@ def _chunk(lab: str, work: str, task: str, jobs: str, timeout_s: str) -> None:
     work_dir = Path(work)
     chunk = {s: Path(nb) for s, nb in json.loads((work_dir / "chunks" / f"{task}.json").read_text()).items()}
     limits = Limits(**json.loads((work_dir / "limits.json").read_text()))
-    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or os.cpu_count() or 1)
+    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or available_cores())
     results = run_jobs(lab, chunk, work_dir, int(jobs), max(1, cpus // int(jobs)), float(timeout_s), limits,
                        progress=lambda line: print(line, flush=True))
     for student, result in results.items():

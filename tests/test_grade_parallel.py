@@ -5,6 +5,7 @@ folder; a second run keeps the unchanged students' grades and grades again only 
 import csv
 import json
 import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -85,3 +86,13 @@ def test_serial_and_parallel_grades_are_identical(tmp_path):
     else:
         assert "4/4 done, 0 failed" in log, log
     assert same_grades(again, parallel), (again, parallel)
+
+
+def test_a_job_splits_its_share_of_the_cores_between_its_ranks(tmp_path):
+    """A grading job's torchrun steps divide the job's share of the cores, not the machine's (no oversubscription)."""
+    from instructor.parallel_grade import _job_env
+
+    probe = "from lablib.jobs import launch; print(launch.available_cores(), launch.default_threads_per_rank(2))"
+    seen = subprocess.run([sys.executable, "-c", probe], env=_job_env("probe", tmp_path, 3), capture_output=True,
+                          text=True, check=True).stdout.split()
+    assert seen == ["3", "1"], f"a job with 3 cores saw (cores, threads per rank of 2) = {seen}"

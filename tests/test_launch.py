@@ -391,9 +391,17 @@ def test_missing_exercise_module_names_the_cell_to_run(tmp_path, monkeypatch):
     assert time.monotonic() - t0 < 5, "a missing module is found before torchrun starts"
 
 
-def test_threads_are_split_between_ranks():
-    assert launch.default_threads_per_rank(1) == max(1, os.cpu_count())
+def test_threads_are_split_between_ranks(monkeypatch):
+    monkeypatch.delenv(launch.CORES_VARIABLE, raising=False)
+    assert launch.default_threads_per_rank(1) == len(os.sched_getaffinity(0))
     assert launch.default_threads_per_rank(10 * os.cpu_count()) == 1
+    monkeypatch.setenv(launch.CORES_VARIABLE, "6")     # a grading job's share of the machine
+    assert launch.default_threads_per_rank(2) == 3 and launch.default_threads_per_rank(4) == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(launch.CORES_VARIABLE, bad)
+        with pytest.raises(ValueError, match="whole number of cores"):
+            launch.default_threads_per_rank(2)
+    monkeypatch.delenv(launch.CORES_VARIABLE)
     result = launch.run("hello", nproc=2, threads_per_rank=1, timeout_s=120, quiet=True)
     assert {r["threads_per_rank"] for r in result["metrics"]["ranks"]} == {1}
 

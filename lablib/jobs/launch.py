@@ -54,9 +54,25 @@ def load_step(step: str):
     return importlib.import_module(f"lablib.runs.{step}")
 
 
+CORES_VARIABLE = "LABLIB_CORES"
+
+
+def available_cores() -> int:
+    """The cores this course's jobs may use: LABLIB_CORES when set (a grading job's share of the machine), else
+    this process's CPU affinity (what Slurm, a container or taskset grants), else every core of the machine."""
+    share = os.environ.get(CORES_VARIABLE, "").strip()
+    if share:
+        if not share.isdigit() or int(share) < 1:
+            raise ValueError(f"{CORES_VARIABLE}={share!r}: set it to a whole number of cores (1 or more), or unset it")
+        return int(share)
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def default_threads_per_rank(nproc: int) -> int:
-    """Split the machine's cores evenly between ranks (torchrun alone would give each rank 1 thread)."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    """Split the available cores evenly between ranks (torchrun alone would give each rank 1 thread)."""
+    return max(1, available_cores() // nproc)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
