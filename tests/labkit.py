@@ -211,3 +211,14 @@ class LiveLab:
         self.run_cell(ex_index)  # put the correct answer back for the next exercise
         return WrongAnswerResult(exercise, description, failed,
                                  sum(tests[g][1] for g in failed), sum(p for _, p in tests.values()))
+
+
+def load_factor() -> float:
+    """How many times slower than idle this machine runs now: the 1-minute load per core, at least 1. A test
+    whose timeout must cover a real start-up (torch imports, torchrun, a kernel) scales it by this."""
+    return max(1.0, os.getloadavg()[0] / len(os.sched_getaffinity(0)))
+
+
+def scaled_timeout(idle_s: float) -> float:
+    """A timeout measured as enough on an idle machine, stretched by the load now (never flaky under load)."""
+    return round(idle_s * load_factor())

@@ -58,8 +58,9 @@ def test_grade_a_zip_export(tmp_path):
         zf.writestr(f"dave_1004_2004_{LAB}.ipynb", nbformat.writes(dave))
 
     out = tmp_path / "grades"
+    timeout = labkit.scaled_timeout(60)   # alice must finish within it (about 25 s idle); dave costs all of it
     result = subprocess.run(["bash", str(labkit.REPO / "launchers" / "grade"), "01", str(export), "--out", str(out),
-                             "--timeout", "60"], capture_output=True, text=True, timeout=900)
+                             "--timeout", str(timeout)], capture_output=True, text=True, timeout=900 + 4 * timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {row["student"]: row for row in csv.DictReader(open(out / "grades.csv"))}
     assert set(rows) == {"alice", "bob", "carol", "dave"}, rows

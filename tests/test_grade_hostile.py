@@ -3,7 +3,6 @@ the run or another student. Each hostile notebook does its damage in its first c
 are set low (the CLI's --job-* options) so the planted damage stays cheap."""
 
 import csv
-import os
 import subprocess
 
 import nbformat
@@ -52,10 +51,10 @@ def test_hostile_submissions_cost_their_student_only(tmp_path):
     out = tmp_path / "grades"
     # One timeout for every student: alice must finish within it, and the hanging student costs all of it. Alice
     # takes about 25 s on an idle 2-core machine, several times that on a loaded one.
-    timeout = 60 if os.getloadavg()[0] <= (os.cpu_count() or 1) else 240
+    timeout = labkit.scaled_timeout(60)
     result = subprocess.run(["bash", str(labkit.REPO / "launchers" / "grade"), "01", str(subs), "--out", str(out),
                              "--jobs", "3", "--timeout", str(timeout), "--job-memory", "1", "--job-disk", "0.25",
-                             "--job-processes", "24"], capture_output=True, text=True, timeout=900)
+                             "--job-processes", "24"], capture_output=True, text=True, timeout=900 + 4 * timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {row["student"]: row for row in csv.DictReader(open(out / "grades.csv"))}
     status = {s: (row["status"], float(row["auto_score"])) for s, row in rows.items()}

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+import labkit
+
 from lablib.jobs import launch, processes
 from lablib.jobs.config import ConfigError
 
@@ -250,8 +252,9 @@ dist.destroy_process_group()
 def test_run_script_reports_a_hang_with_every_ranks_stack(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(HANG_SCRIPT)
-    r = launch.run_script(script, nproc=2, timeout_s=20, quiet=True)
-    assert r.timed_out and r.returncode is None and 20 <= r.elapsed_s < 60
+    window = labkit.scaled_timeout(20)            # both ranks are up within 20 s on an idle 2-core machine
+    r = launch.run_script(script, nproc=2, timeout_s=window, quiet=True)
+    assert r.timed_out and r.returncode is None and window <= r.elapsed_s < 3 * window
     assert "rank 0 of 2 up" in r.output and "rank 1 of 2 up" in r.rank_output[1] and r.output == r.rank_output[0]
     assert "in all_reduce" in r.stacks[0] and "hang.py\", line 8" in r.stacks[0]      # rank 0 waits in the all-reduce
     assert "hang.py\", line 6" in r.stacks[1] and "all_reduce" not in r.stacks[1]    # rank 1 is in its sleep
