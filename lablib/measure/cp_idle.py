@@ -1,0 +1,78 @@
+"""Lab 12's idle time, measured: a ring whose ranks compute the causal attention scores they must (skipping the
+sub-blocks the mask removes entirely), pass their K/V block on, and time each step's compute and each wait.
+
+Each rank's positions are cut at their runs of consecutive positions (the zigzag split's two chunks), and a
+contiguous block into two halves, for the same granularity; a (query piece, key piece) pair is computed only if
+some key is visible to some query, as FlashAttention-style kernels skip fully masked tiles. The work is real
+(products with the block's keys and values, ``repeats`` times to make a step long next to the messages); it is not
+the lab's answer (no softmax merge: this measures time, not values).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from lablib.course.cp_model import position_runs
+
+
+def pieces(positions: torch.Tensor) -> list[torch.Tensor]:
+    found = position_runs(positions)
+    if len(found) == 1:                         # one contiguous block: two halves, like the zigzag's two chunks
+        return list(torch.tensor_split(positions, 2))
+    out, start = [], 0
+    for _, length in found:
+        out.append(positions[start:start + length])
+        start += length
+    return out
+
+
+def timed_ring(comm, positions: list[torch.Tensor], batch: int, n_head: int, head_dim: int,
+               repeats: int = 1, seed: int = 0) -> dict:
+    """One causal ring pass on this rank: per step, seconds computing, seconds waiting for the next block, and the
+    (query, key) pairs computed; ``span_s`` from the start to this rank's end. The block a rank waits for was sent
+    when its left neighbour *started* the step (overlap), so a slow rank delays the others a step later and a fast
+    rank finishes early: the idle time is the ranks' span against the slowest one's, 1 - sum(busy) / (N max span).
+    comm: a CountingComm (or a thread rank's)."""
+    n, rank = comm.world_size, comm.rank   # ring size and place
+    g = torch.Generator().manual_seed(seed + rank)
+    mine = positions[rank]
+    q = torch.randn(batch, n_head, len(mine), head_dim, generator=g)
+    kv = torch.randn(2, batch, n_head, len(mine), head_dim, generator=g)
+    rows = {"compute_s": [], "wait_s": [], "pairs": []}
+    start = time.perf_counter()
+    for step in range(n):
+        src = (rank - step) % n
+        if step < n - 1:
+            incoming = torch.empty(2, batch, n_head, len(positions[(src - 1) % n]), head_dim)
+            works = [comm.isend(kv, (rank + 1) % n), comm.irecv(incoming, (rank - 1) % n)]
+        t0 = time.perf_counter()
+        pairs = 0
+        key_pieces = pieces(positions[src])
+        offsets = [0]
+        for p in key_pieces:
+            offsets.append(offsets[-1] + len(p))
+        q_start = 0
+        for qp in pieces(mine):
+            q_block = q[:, :, q_start:q_start + len(qp)]
+            q_start += len(qp)
+            for kp, k0, k1 in zip(key_pieces, offsets, offsets[1:]):
+                if kp.min() > qp.max():
+                    continue                                    # every key after every query: skipped
+                visible = kp[None, :] <= qp[:, None]
+                pairs += int(visible.sum())
+                for _ in range(repeats):
+                    s = torch.matmul(q_block, kv[0, :, :, k0:k1].transpose(-2, -1)) / math.sqrt(head_dim)
+                    torch.matmul(torch.exp(s.masked_fill(~visible, -math.inf)), kv[1, :, :, k0:k1])
+        t1 = time.perf_counter()
+        if step < n - 1:
+            for w in works:
+                w.wait()
+            kv = incoming
+        rows["compute_s"].append(t1 - t0)
+        rows["wait_s"].append(time.perf_counter() - t1)
+        rows["pairs"].append(pairs)
+    rows["span_s"] = time.perf_counter() - start      # from the barrier the caller passed to this rank's last block
+    return rows

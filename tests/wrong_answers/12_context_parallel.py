@@ -1,0 +1,147 @@
+"""Wrong answers for lab 12 (see tests/wrong_answers/__init__.py): the solution's own cells with one mistake each,
+the mistakes issue 28 names (a merge without the max, the mask from local positions, K/V the wrong way round, a
+blocking send before the receive, Ulysses cut along the wrong dimension) and others students make. Every one is
+caught on thread ranks before a torchrun start, except where said."""
+
+from __future__ import annotations
+
+from wrong_answers import SolutionCells
+
+_cells = SolutionCells("12_context_parallel")
+_changed = _cells.changed
+
+_FWD_POST = ("        if step < n - 1:                                        # post the next block's transfer first: overlap\n"
+             "            incoming = torch.empty((2, B, H, len(positions[(src - 1) % n]), D), dtype=block.dtype)\n"
+             "            works = [comm.isend(block, (rank + 1) % n), comm.irecv(incoming, (rank - 1) % n)]\n")
+_FWD_WAIT = ("        if step < n - 1:\n"
+             "            for work in works:\n"
+             "                work.wait()\n")
+_BWD_POST = ("        if step < n - 1:                                         # the next K/V, posted before computing\n"
+             "            next_kv = torch.empty((2, B, H, len(positions[(src - 1) % n]), D), dtype=kv.dtype)\n"
+             "            kv_works = [comm.isend(kv, right), comm.irecv(next_kv, left)]\n")
+
+WRONG_ANSWERS = {
+    "cp_ring_forward": [
+        ("the online-softmax merge without the max: log(sum(exp)) overflows fp32 at scores near 100 (hidden case)",
+         _changed("cp_ring_forward",
+                  ("        block_lse = torch.logsumexp(scores, dim=-1)", "        block_lse = torch.log(torch.exp(scores).sum(-1))"),
+                  ("        new_lse = torch.logaddexp(lse, block_lse)", "        new_lse = torch.log(torch.exp(lse) + torch.exp(block_lse))"))),
+        ("the causal mask from local positions (row i sees columns <= i of every block)", _changed(
+            "cp_ring_forward", ("            visible = my_pos[:, None] >= positions[src][None, :]",
+                                "            visible = torch.arange(T_r)[:, None] >= torch.arange(len(positions[src]))[None, :]"))),
+        ("K/V passed the wrong way round: to the left, from the right (the held block is not rank (r - s)'s)", _changed(
+            "cp_ring_forward", ("comm.isend(block, (rank + 1) % n), comm.irecv(incoming, (rank - 1) % n)",
+                                "comm.isend(block, (rank - 1) % n), comm.irecv(incoming, (rank + 1) % n)"))),
+        ("blocking send before the receive on every rank: a deadlock, reported at once on thread ranks", _changed(
+            "cp_ring_forward", ("            works = [comm.isend(block, (rank + 1) % n), comm.irecv(incoming, (rank - 1) % n)]",
+                                "            comm.send(block, (rank + 1) % n)\n            comm.recv(incoming, (rank - 1) % n)\n"
+                                "            works = []"))),
+        ("no overlap: the next block is posted only after this block is computed", _changed(
+            "cp_ring_forward", (_FWD_POST, ""),
+            (_FWD_WAIT, _FWD_POST.replace("first: overlap", "after computing") + _FWD_WAIT))),
+        ("the old partial output is not rescaled when a block is merged", _changed(
+            "cp_ring_forward", ("        out = (out * torch.exp(lse - new_safe)[..., None] + ", "        out = (out + "))),
+        ("the diagonal excluded: a query does not see its own key (> instead of >=)", _changed(
+            "cp_ring_forward", ("            visible = my_pos[:, None] >= positions[src][None, :]",
+                                "            visible = my_pos[:, None] > positions[src][None, :]"))),
+        ("q scaled in place (the caller's q changes)", _changed(
+            "cp_ring_forward", ("        scores = torch.matmul(q, block[0].transpose(-2, -1)) * scale",
+                                "        scores = torch.matmul(q.mul_(1.0 + 1e-3), block[0].transpose(-2, -1)) * scale"))),
+        ("lse returned for the last block only", _changed(
+            "cp_ring_forward", ("    return out, lse\n", "    return out, block_lse\n"))),
+        ("receive buffers sized by this rank's own block: uneven blocks cannot be received", _changed(
+            "cp_ring_forward", ("            incoming = torch.empty((2, B, H, len(positions[(src - 1) % n]), D), dtype=block.dtype)",
+                                "            incoming = torch.empty((2, B, H, T_r, D), dtype=block.dtype)"))),
+        ("the output returned in float32 whatever q's dtype (float64 hidden case)", _changed(
+            "cp_ring_forward", ("    return out, lse\n", "    return out.float(), lse\n"))),
+    ],
+    "cp_ring_backward": [
+        ("the dK/dV accumulators never make the last hop home: rank r returns rank r+1's gradients", _changed(
+            "cp_ring_backward",
+            ("        grad_works = [comm.isend(grads, right), comm.irecv(incoming, left)] if n > 1 else []",
+             "        grad_works = [comm.isend(grads, right), comm.irecv(incoming, left)] if step < n - 1 else []"),
+            ("        if n > 1:\n            grads = incoming", "        if step < n - 1:\n            grads = incoming"))),
+        ("delta from the output's gradient alone (rowsum(dO), not rowsum(dO * O))", _changed(
+            "cp_ring_backward", ("    delta = (grad_out * out).sum(-1, keepdim=True)", "    delta = grad_out.sum(-1, keepdim=True)"))),
+        ("dK without the 1/sqrt(D) of the scores", _changed(
+            "cp_ring_backward", ("torch.matmul(d_scores.transpose(-2, -1), q) * scale,", "torch.matmul(d_scores.transpose(-2, -1), q),"))),
+        ("the causal mask from local positions", _changed(
+            "cp_ring_backward", ("~(my_pos[:, None] >= positions[src][None, :])",
+                                 "~(torch.arange(T_r)[:, None] >= torch.arange(len(positions[src]))[None, :])"))),
+        ("the accumulators sent to the left while K/V go right", _changed(
+            "cp_ring_backward", ("[comm.isend(grads, right), comm.irecv(incoming, left)]",
+                                 "[comm.isend(grads, left), comm.irecv(incoming, right)]"))),
+        ("no overlap: the next K/V posted after the block's products", _changed(
+            "cp_ring_backward", (_BWD_POST, ""),
+            ("        # pass this block's accumulators on", _BWD_POST + "        # pass this block's accumulators on"))),
+    ],
+    "cp_zigzag": [
+        ("rank r holds chunks r and N + r (striped, not mirrored): the causal work stays unbalanced", _changed(
+            "cp_zigzag", ("chunks[2 * world_size - 1 - r]", "chunks[world_size + r]"))),
+        ("chunks of T // 2N with the remainder in the last chunk (not tensor_split)", _changed(
+            "cp_zigzag", ("    chunks = torch.tensor_split(torch.arange(seq_len), 2 * world_size)",
+                          "    size = seq_len // (2 * world_size)\n"
+                          "    chunks = [torch.arange(i * size, seq_len if i == 2 * world_size - 1 else (i + 1) * size)\n"
+                          "              for i in range(2 * world_size)]"))),
+        ("the idle fraction with the diagonal block counted as a full block: (N-1)/N", _changed(
+            "cp_zigzag", ("    return (world_size - 1) / (2 * world_size - 1)", "    return (world_size - 1) / world_size"))),
+        ("the idle fraction (N-1)/(2N): the diagonal step forgotten", _changed(
+            "cp_zigzag", ("    return (world_size - 1) / (2 * world_size - 1)", "    return (world_size - 1) / (2 * world_size)"))),
+        ("no check of the length: a short sequence gives empty chunks", _changed(
+            "cp_zigzag", ("    if seq_len < 2 * world_size:\n", "    if False:\n"))),
+    ],
+    "cp_ulysses": [
+        ("the all-to-all cut along the wrong dimension: heads dealt round-robin (rank j gets heads j, j + N, ...)", _changed(
+            "cp_ulysses", ("    send = x.reshape(B, n, H // n, T_r, D).transpose(0, 1).contiguous()",
+                           "    send = x.reshape(B, H // n, n, T_r, D).permute(2, 0, 1, 3, 4).contiguous()"))),
+        ("no head-count check: the all-to-all goes ahead with H = N + 1", _changed(
+            "cp_ulysses", ("    if H % n:\n        raise ValueError(", "    if False:\n        raise ValueError("))),
+        ("the head-count error as a fixed text with the visible case's numbers", _changed(
+            "cp_ulysses", ('f"Ulysses needs the head count divisible by the ranks: {H} heads over {n} ranks; "\n'
+                           '                         f"use a world size that divides {H} (or ring attention)"',
+                           '"Ulysses needs the head count divisible by the ranks: 3 heads over 2 ranks"'))),
+        ("head_to_seq stacks the received pieces along heads without moving the rank axis", _changed(
+            "cp_ulysses", ("    return recv.transpose(0, 1).reshape(B, n * H_r, T // n, D)",
+                           "    return recv.reshape(B, n * H_r, T // n, D)"))),
+        ("the attention on the re-sharded heads without the causal mask", _changed(
+            "cp_ulysses", ("is_causal=causal)", "is_causal=False)"))),
+    ],
+    "ulysses_bytes_answer": [
+        ("both move K and V once: the same bytes", _changed("ulysses_bytes_answer", ('"c"', '"a"'))),
+        ("an eighth", _changed("ulysses_bytes_answer", ('"c"', '"d"'))),
+    ],
+}
+
+# The same answers written other ways: K and V as two messages, the max subtracted by hand, fully masked blocks
+# skipped; the zigzag built from a reversed list; the re-shard with torch.chunk and stack.
+CORRECT_VARIANTS = {
+    "cp_ring_forward": [
+        ("K and V sent as two messages; the max subtracted by hand; a fully masked block skipped", _changed(
+            "cp_ring_forward",
+            ("            works = [comm.isend(block, (rank + 1) % n), comm.irecv(incoming, (rank - 1) % n)]",
+             "            works = [comm.isend(block[0].contiguous(), (rank + 1) % n),\n"
+             "                     comm.isend(block[1].contiguous(), (rank + 1) % n),\n"
+             "                     comm.irecv(incoming[0], (rank - 1) % n), comm.irecv(incoming[1], (rank - 1) % n)]"),
+            ("        block_lse = torch.logsumexp(scores, dim=-1)                          # (B, H, T_r); -inf if all masked",
+             "        row_max = scores.amax(-1, keepdim=True)\n"
+             "        safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))\n"
+             "        block_lse = (safe_max + torch.log(torch.exp(scores - safe_max).sum(-1, keepdim=True))).squeeze(-1)"))),
+    ],
+    "cp_ring_backward": [
+        ("dK and dV kept and sent as two tensors", _changed(
+            "cp_ring_backward",
+            ("        grad_works = [comm.isend(grads, right), comm.irecv(incoming, left)] if n > 1 else []",
+             "        grad_works = ([comm.isend(grads[0].contiguous(), right), comm.isend(grads[1].contiguous(), right),\n"
+             "                       comm.irecv(incoming[0], left), comm.irecv(incoming[1], left)] if n > 1 else [])"))),
+    ],
+    "cp_zigzag": [
+        ("the back chunk taken from a reversed list", _changed(
+            "cp_zigzag", ("    return [torch.cat([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size)]",
+                          "    back = chunks[::-1]\n    return [torch.cat((chunks[r], back[r])) for r in range(world_size)]"))),
+    ],
+    "cp_ulysses": [
+        ("the pieces for each rank cut with torch.chunk and stacked", _changed(
+            "cp_ulysses", ("    send = x.reshape(B, n, H // n, T_r, D).transpose(0, 1).contiguous()",
+                           "    send = torch.stack(torch.chunk(x, n, dim=1))"))),
+    ],
+}
