@@ -5,7 +5,10 @@ other wrong answer costs one 4-rank start of CI time). Among the latter, the way
 course instead of writing it: lablib's old reference pair (gone from lablib: the import and the code-object copy
 fail), DTensor's f and g that stand in for exercise 1 while exercises 2 and 3 are graded (copied or called: the
 check refuses functional collectives, and they send nothing on one rank), and the instructor's package (the
-grader's kernel and ranks can import ``instructor``; lab 08 keeps no f and g there).
+grader's kernel and ranks can import ``instructor``; lab 08 keeps no f and g there). Where the red team's answer
+makes the same mistake as one of the course's, the course's is left out: f and g swapped, g's backward summing
+too, f's backward returning one value; the row-parallel bias added on every rank; no check that N divides n_head,
+heads split inside a head; answer (b).
 """
 
 from __future__ import annotations
@@ -33,16 +36,6 @@ def _f_g_replaced(by: str) -> str:
 
 WRONG_ANSWERS = {
     "tp_f_g": [
-        ("f and g swapped: f all-reduces in the forward, g in the backward", _changed(
-            "tp_f_g", ("    return CopyToTensorParallel.apply(x, group)", "    return SWAPPED_F.apply(x, group)"),
-            ("    return ReduceFromTensorParallel.apply(x, group)", "    return CopyToTensorParallel.apply(x, group)"),
-            ("    return SWAPPED_F.apply(x, group)", "    return ReduceFromTensorParallel.apply(x, group)"))),
-        ("g's backward all-reduces the gradient too", _changed(
-            "tp_f_g", ("        return grad_output, None                   # d(sum_r x_r)/dx_r = 1",
-                       "        grad_output = grad_output.clone()\n"
-                       "        dist.all_reduce(grad_output, group=ctx.group)\n"
-                       "        return grad_output, None                   # d(sum_r x_r)/dx_r = 1"),
-            ("        total = x.contiguous().clone()", "        ctx.group = group\n        total = x.contiguous().clone()"))),
         ("f and g imported from lablib's old reference pair (lablib.probes.tensor_parallel.reference_f and reference_g, gone: "
          "the import fails)", _f_g_replaced(
             "from lablib.probes.tensor_parallel import reference_f as f  # noqa: E402\n"
@@ -99,9 +92,6 @@ def f(x, group):
 def g(x, group):
     return x + (_summed(x, group) - x.detach())
 ''')),
-        ("f's backward returns the gradient alone, not one value per input of forward (grad, None)", _changed(
-            "tp_f_g", ("        return grad, None                          # no gradient for the group argument",
-                       "        return grad"))),
         ("f and g taken from the course repository's instructor package (importable where the grader runs): lab 08 "
          "keeps no f and g there, the import fails", _f_g_replaced(
             "from instructor.references.tensor_parallel import reference_f as f, reference_g as g  # noqa: E402")),
@@ -132,26 +122,17 @@ def g(x, group):
             "tp_mlp", ("        return F.linear(f(x, self.group), self.weight, self.bias)",
                        "        B, T, C = x.shape\n"
                        "        return F.linear(f(x, self.group).view(B * T, C), self.weight, self.bias).view(B, T, -1)"))),
-        ("the row-parallel bias added on every rank, before the all-reduce", _changed(
-            "tp_mlp", ("        y = g(F.linear(x, self.weight), self.group)", "        y = g(F.linear(x, self.weight, self.bias), self.group)"),
-            ("        return y if self.bias is None else y + self.bias", "        return y"))),
         ("column-parallel weight split along the input dimension (the columns of nn.Linear's weight)", _changed(
             "tp_mlp", ("        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())",
                        "        self.weight = nn.Parameter(linear.weight.detach()[:, rows].clone())"))),
     ],
     "tp_attention": [
-        ("no check that N divides n_head: an indivisible head count splits without an error", _changed(
-            "tp_attention", ("        if attn.n_head % n:\n            raise ValueError(", "        if False:\n            raise ValueError("))),
         ("the head count refused with a fixed text that happens to hold the numbers of the visible case",
          _changed("tp_attention", ("f\"n_head={attn.n_head} heads cannot be split over a tensor-parallel group of {n} \"\n"
                                    "                             f\"ranks: choose a group size that divides {attn.n_head}\"",
                                    "\"n_head=3 heads cannot be split over a tensor-parallel group of 2 ranks\""))),
         ("the new layers made in float32 whatever the attention's dtype", _changed(
             "tp_attention", ("        like = dict(dtype=w_qkv.dtype, device=w_qkv.device)", "        like = dict()"))),
-        ("heads split inside a head: every rank keeps all n_head heads, each with head_size / N channels", _changed(
-            "tp_attention", ("        self.n_head = attn.n_head // n                       # whole heads on this rank",
-                             "        self.n_head = attn.n_head"),
-            ("        width = self.n_head * (n_embd // attn.n_head)", "        width = n_embd // n"))),
         ("c_attn's rows taken with lablib's old qkv_rows_by_rank (the DTensor section's helper, gone since: DTensor "
          "now splits separate q, k and v layers; the import fails)", _changed(
             "tp_attention", ("            self.c_attn.weight.copy_(w_qkv[:, mine].flatten(0, 1))",
@@ -162,47 +143,18 @@ def g(x, group):
              "                self.c_attn.bias.copy_(attn.c_attn.bias.detach()[order])"))),
     ],
     "forward_bytes_answer": [
-        ("the message size is b s h values at any N, so what each rank sends is unchanged", _changed(
-            "forward_bytes_answer", ('"c"', '"b"'))),
         ("each rank holds half the activations at twice the ranks, so it sends half", _changed(
             "forward_bytes_answer", ('"c"', '"a"'))),
     ],
 }
 
-# f and g with the all-reduce spelled other ways: counted all the same (lablib.measure.counting counts torch's ops, not
-# names; a name imported from torch.distributed was once missed, "no all-reduce was called"). The attention split
-# another valid way: the check finds the rows by value and asks only for whole heads, each on one rank.
+# The attention split another valid way: the check finds the rows by value and asks only for whole heads, each on
+# one rank. The red team's (added below) spell f and g's all-reduce other ways, counted all the same
+# (lablib.measure.counting counts torch's ops, not names; a name imported from torch.distributed was once missed, "no
+# all-reduce was called"), and shard the MLP with torch.tensor_split and torch.add: the course's own variants that
+# did the same (all_reduce imported by name, torch.distributed without an alias, torch.chunk) are left out, each
+# one 4-rank start less.
 CORRECT_VARIANTS = {
-    "tp_mlp": [
-        ("the shards taken with torch.chunk and the divisibility checked in each class, the bias added with torch.add",
-         _changed("tp_mlp",
-                  ("        rows = my_slice(linear.out_features, group)      # weight is (out, in): output features are rows\n"
-                   "        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())\n"
-                   "        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[rows].clone())",
-                   "        n, r = dist.get_world_size(group), dist.get_rank(group)\n"
-                   "        if linear.out_features % n != 0:\n"
-                   "            raise ValueError(f\"out_features={linear.out_features} is not divisible by N={n}\")\n"
-                   "        self.weight = nn.Parameter(torch.chunk(linear.weight.detach(), n, dim=0)[r].clone())\n"
-                   "        self.bias = None if linear.bias is None else nn.Parameter("
-                   "torch.chunk(linear.bias.detach(), n)[r].clone())"),
-                  ("        return y if self.bias is None else y + self.bias  # once, after the sum: not N times",
-                   "        return y if self.bias is None else torch.add(y, self.bias)"))),
-    ],
-    "tp_f_g": [
-        ("all_reduce imported by name (from torch.distributed import all_reduce)", _changed(
-            "tp_f_g", ("import torch.distributed as dist\n",
-                       "import torch.distributed as dist\nfrom torch.distributed import all_reduce\n"),
-            ("        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)",
-             "        all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)"),
-            ("        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)",
-             "        all_reduce(total, op=dist.ReduceOp.SUM, group=group)"))),
-        ("torch.distributed spelled in full, no alias", _changed(
-            "tp_f_g", ("import torch.distributed as dist\n", "import torch.distributed\n"),
-            ("        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)",
-             "        torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.SUM, group=ctx.group)"),
-            ("        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)",
-             "        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)"))),
-    ],
     "tp_attention": [
         ("Megatron-LM's layout: each head's q, k and v rows together in c_attn, and the heads dealt round-robin "
          "(rank r: heads r, r + N, ...), c_proj's columns in the same order", _changed(
