@@ -175,9 +175,11 @@ def _patched(fakes: dict[str, Callable]):
                 delattr(dist, name)
 
 
-def run_in_thread_ranks(world_size: int, fn: Callable[[int], object], timeout_s: float = 20.0) -> list:
+def run_in_thread_ranks(world_size: int, fn: Callable[[int], object], timeout_s: float = 20.0,
+                        more_fakes: Callable | None = None) -> list:
     """fn(rank) on world_size threads that stand in for ranks; [rank 0's return, rank 1's, ...]. An exception in
-    any thread is raised here (a deadlock's, if that is all there is, or the first other one)."""
+    any thread is raised here (a deadlock's, if that is all there is, or the first other one). ``more_fakes(world,
+    local)``: a lab's own fakes ({name: function}, e.g. lablib.probes.ep_rehearsal's), over the ones above."""
     if dist.is_initialized():
         raise RuntimeError("the thread rehearsal needs a process without a process group (it replaces "
                            "torch.distributed's functions for a moment)")
@@ -195,7 +197,9 @@ def run_in_thread_ranks(world_size: int, fn: Callable[[int], object], timeout_s:
             errors[rank] = exc
             world.barrier.abort()      # the others stop waiting for this rank
 
-    with _patched(_fake_functions(world)):
+    fakes = _fake_functions(world)
+    fakes.update(more_fakes(world, _local) if more_fakes else {})
+    with _patched(fakes):
         threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
         for t in threads:
             t.start()

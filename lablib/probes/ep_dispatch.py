@@ -1,0 +1,201 @@
+"""Lab 13's exercise 3 probed and graded: the students' expert-parallel dispatch and combine against one process.
+
+``expert_parallel_moe(x, expert_index, gates, local_experts, num_experts, group)`` runs on every rank of
+``group`` (N ranks; rank r holds experts [r E/N, (r+1) E/N)). Every rank builds the same E experts (one seed)
+and the same routing for all ranks (one generator), keeps its own tokens and experts, calls the student's
+function, and back-propagates its own upstream gradient w_r. The reference is ``lablib.course.moe``'s
+``combine_in_one_process`` on the full experts, in float64: rank r's output and the gradients of x_r and of
+gates_r, and for each local expert the gradient of sum_r <w_r, y_r> (all ranks' tokens) and the number of rows
+it ran (a forward hook counts them; the reference counts kept assignments per expert). Two steps: after the
+first, every copy of the experts takes the same SGD step, and the second step is checked the same way (nothing
+may be cached from the first call). The caller's x, expert_index and gates must come back unchanged.
+
+Cases (``CASES``): token counts per rank that differ and that N does not divide; some assignments dropped
+(``DROPPED``); an expert no token picks; every token picking expert 0 (all tokens to rank 0); k = 2; float64.
+Tolerance: fp32 results within gamma_K u of the reference's largest magnitude, K the roundings along the longest
+chain (the expert's two matrix products, n_embd and 4 n_embd terms; the gradient's sum over every token of the
+batch; the k gated terms; 8 elementwise steps), u = 2^-24 (2^-53 in float64): the sums may run in any order.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from lablib import checks
+from lablib.course.models import GPTConfig, MLPBlock
+from lablib.course.moe import DROPPED, combine_in_one_process
+from lablib.measure import counting
+from lablib.measure.rankcheck import gamma
+
+N_EMBD, EXPERTS_PER_RANK, LR = 8, 2, 0.1
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
+# case -> (k, dtype, routing): "random" with some assignments dropped, "empty" (expert 1 never picked),
+# "one" (every token picks expert 0)
+CASES = {"uneven": (1, torch.float32, "random"), "empty": (1, torch.float32, "empty"),
+         "one": (1, torch.float32, "one"), "top2": (2, torch.float32, "random"),
+         "float64": (2, torch.float64, "random")}
+
+
+def tokens_on(rank: int) -> int:
+    """Token counts that differ per rank and that no world size divides evenly: 5, 7, 4, 9, ..."""
+    return (5, 7, 4, 9, 6, 3)[rank % 6]
+
+
+def experts_for(num_experts: int, dtype) -> nn.ModuleList:
+    gen = torch.Generator().manual_seed(7)
+    experts = nn.ModuleList(MLPBlock(GPTConfig(n_embd=N_EMBD, n_head=1)) for _ in range(num_experts))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return experts.to(dtype)
+
+
+def routing(case: str, world_size: int, num_experts: int, step: int) -> list[tuple]:
+    """Every rank's (x, expert_index, gates, upstream gradient), the same on every rank that builds them."""
+    k, dtype, kind = CASES[case]
+    gen = torch.Generator().manual_seed(100 * step + world_size)
+    out = []
+    for r in range(world_size):
+        t = tokens_on(r)
+        x, w = torch.randn(t, N_EMBD, generator=gen), torch.randn(t, N_EMBD, generator=gen)
+        scores = torch.rand(t, num_experts, generator=gen)
+        if kind == "empty":
+            scores[:, 1] = -1.0
+        if kind == "one":
+            scores[:, 0] = 2.0
+        index = scores.topk(k, dim=-1).indices
+        if kind == "random":                                 # about one assignment in five dropped
+            index = torch.where(torch.rand(t, k, generator=gen) < 0.2, torch.full_like(index, DROPPED), index)
+        gates = torch.rand(t, k, generator=gen) + 0.5
+        out.append((x.to(dtype), index, gates.to(dtype), w.to(dtype)))
+    return out
+
+
+def _row_counter(expert: nn.Module, counts: list, i: int):
+    def hook(module, args):
+        counts[i] += args[0].shape[0] if args[0].dim() > 1 else 1
+    return expert.register_forward_pre_hook(hook)
+
+
+def _diff(a, b) -> float:
+    """max |a - b|; a gradient that is None counts as zeros (an expert no token reached has none)."""
+    if a is None or b is None:
+        other = b if a is None else a
+        return 0.0 if other is None or not other.detach().abs().max().item() else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
+
+
+def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2) -> dict:
+    """One case on this rank: {"error", "steps": [per step: diffs, bounds, rows per local expert, wanted rows,
+    collectives], ...}. The student's exceptions are recorded, not raised (the other ranks then stop waiting)."""
+    k, dtype, _ = CASES[case]
+    num_experts = EXPERTS_PER_RANK * world_size
+    mine = range(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
+    reference = experts_for(num_experts, torch.float64)
+    local = nn.ModuleList(copy.deepcopy(experts_for(num_experts, dtype)[e]) for e in mine)
+    u = UNIT_ROUNDOFF[dtype]
+    total_tokens = sum(tokens_on(r) for r in range(world_size))
+    rounding = gamma(N_EMBD + 4 * N_EMBD + total_tokens + k + 8, u)
+    record = {"case": case, "rank": rank, "world_size": world_size, "error": None, "steps": []}
+    log = counting.CollectiveLog()
+    try:
+        for step in range(steps):
+            data = routing(case, world_size, num_experts, step)
+            x, index, gates, w = data[rank]
+            x_in, gates_in = x.clone().requires_grad_(), gates.clone().requires_grad_()
+            index_in, kept = index.clone(), (x.clone(), index.clone(), gates.clone())
+            rows = [0] * len(local)
+            hooks = [_row_counter(expert, rows, i) for i, expert in enumerate(local)]
+            with counting.count_collectives(log):
+                log.reset()
+                y = impl.expert_parallel_moe(x_in, index_in, gates_in, local, num_experts, group)
+                forward = [(c.name, c.bytes) for c in log.calls]
+                log.reset()
+                (y * w).sum().backward()
+                backward = [(c.name, c.bytes) for c in log.calls]
+            for h in hooks:
+                h.remove()
+            # the reference: every rank's tokens through the float64 experts, this rank's output and gradients
+            reference.zero_grad()
+            ref_x = x.double().requires_grad_()
+            ref_gates = gates.double().requires_grad_()
+            ref_y = None
+            for r, (xr, ir, gr, wr) in enumerate(data):
+                if r == rank:
+                    ref_y = combine_in_one_process(ref_x, ir, ref_gates, reference)
+                    (ref_y * wr.double()).sum().backward()
+                else:
+                    (combine_in_one_process(xr.double(), ir, gr.double(), reference) * wr.double()).sum().backward()
+            wanted_rows = [sum(int((d[1] == e).sum()) for d in data) for e in mine]
+            scale = max(ref_y.abs().max().item() if ref_y.numel() else 0.0, 1.0)
+            grads = {f"expert {e} {name}": (p.grad, dict(reference[e].named_parameters())[name].grad)
+                     for e, expert in zip(mine, local) for name, p in expert.named_parameters()}
+            grad_scale = max([1.0] + [g.abs().max().item() for _, g in grads.values() if g is not None])
+            record["steps"].append({
+                "output": _diff(y, ref_y), "output_bound": rounding * scale,
+                "dtype": str(y.dtype), "want_dtype": str(dtype), "shape": list(y.shape), "want_shape": list(x.shape),
+                "x_grad": _diff(x_in.grad, ref_x.grad), "gates_grad": _diff(gates_in.grad, ref_gates.grad),
+                "expert_grads": {name: _diff(got, want) for name, (got, want) in grads.items()},
+                "grad_bound": rounding * grad_scale,
+                "rows": rows, "wanted_rows": wanted_rows,
+                "inputs_changed": [name for name, a, b in (("x", x_in, kept[0]), ("expert_index", index_in, kept[1]),
+                                                           ("gates", gates_in, kept[2]))
+                                   if not torch.equal(a.detach(), b)],
+                "forward": forward, "backward": backward,
+                "token_bytes": k * x.shape[0] * N_EMBD * x.element_size(),
+                "kept_assignments": int((index != DROPPED).sum()), "value_bytes": x.element_size()})
+            with torch.no_grad():                              # the same SGD step on every copy of the experts
+                for p in local.parameters():
+                    p.grad = None
+                for p in reference.parameters():
+                    if p.grad is not None:
+                        p -= LR * p.grad
+                for e, expert in zip(mine, local):             # same values as the reference: no drift between steps
+                    for p, q in zip(expert.parameters(), reference[e].parameters()):
+                        p.copy_(q)
+    except Exception as exc:  # noqa: BLE001 - a wrong answer is a result to report
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+def check(record: dict, real_ranks: bool = True) -> None:
+    """The verdict on one rank's record (``real_ranks``: the collectives were counted; threads do not count)."""
+    where = f"case {record['case']!r}, rank {record['rank']} of {record['world_size']}"
+    if record["error"]:
+        raise checks.CheckFailed(f"expert_parallel_moe failed ({where}): {record['error']}")
+    for step, s in enumerate(record["steps"], 1):
+        at = f"{where}, step {step}"
+        checks.check_equal((s["dtype"], s["shape"]), (s["want_dtype"], s["want_shape"]),
+                           f"output dtype and shape ({at})", "y has x's dtype and shape: one row per token, in x's order")
+        checks.check_true(not s["inputs_changed"], f"the caller's inputs come back unchanged ({at})",
+                          f"changed: {s['inputs_changed']}; sort or scatter into new tensors, never in place")
+        checks.check_equal(s["rows"], s["wanted_rows"], f"rows each local expert ran ({at})",
+                           "each expert runs exactly the kept assignments routed to it, from every rank (none dropped "
+                           "twice, none sent to the wrong rank: expert e lives on rank e // experts_per_rank)")
+        checks.check_true(s["output"] <= s["output_bound"],
+                          f"output equals one process's MoE ({at}): max |y - y_single| = {s['output']:.2e}, "
+                          f"allowed {s['output_bound']:.1e}",
+                          "y[t] = sum_j gates[t, j] * expert(x[t]) for the kept assignments, in the ORIGINAL token "
+                          "order (undo the sort by expert when the results come back)")
+        for name in ("x_grad", "gates_grad"):
+            checks.check_true(s[name] <= s["grad_bound"], f"{name.replace('_', ' ')} equals one process's ({at}): max "
+                              f"difference {s[name]:.2e}, allowed {s['grad_bound']:.1e}",
+                              "the gradient flows back through both all_to_all_single calls: each needs a backward "
+                              "that sends the gradient back with the splits swapped")
+        worst = max(s["expert_grads"].items(), key=lambda kv: kv[1])
+        checks.check_true(worst[1] <= s["grad_bound"], f"local experts' gradients equal one process's ({at}): "
+                          f"{worst[0]} off by {worst[1]:.2e}, allowed {s['grad_bound']:.1e}",
+                          "an expert's gradient sums the contributions of the tokens of every rank")
+        if real_ranks:
+            names = {name for name, _ in s["forward"]}
+            checks.check_true(bool(names) and names <= {"all_to_all"}, f"the forward communicates with all_to_all_single only "
+                              f"({at}): called {sorted(names)}", "counts first, then the tokens, then the results back")
+            sent = sum(b for name, b in s["forward"])
+            checks.check_true(sent <= 2 * s["token_bytes"] + 4096, f"bytes the forward sends ({at}): {sent}, at most "
+                              f"the k T h values there and back ({2 * s['token_bytes']}) plus the counts",
+                              "send each kept assignment's token once, not the whole batch to every rank")

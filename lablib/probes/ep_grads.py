@@ -1,0 +1,114 @@
+"""Lab 13's exercise 4 probed and graded: the gradient reduction of expert parallelism x data parallelism.
+
+A mesh of ``dp`` x ``ep`` ranks, rank = d * ep + e: the ranks (d, 0..ep-1) are one expert-parallel group (they
+share their tokens by all-to-all, and hold experts block 0..ep-1 between them); the ranks (0..dp-1, e) hold the
+same experts block e and form its data-parallel group. Each rank has run ``backward`` on its own mean loss L_r.
+The contract: afterwards every ``.grad`` is the gradient of the mean of all W = dp ep ranks' losses, so
+
+    dense parameter (a copy on every rank):   g <- (1/W) sum over all W ranks of g_r
+    expert parameter (a copy per dp group):   g <- (1/W) sum over its dp group of g_r
+
+(the expert's local gradient already sums the contributions of the ep ranks whose tokens it ran; see the lab).
+The probe gives each rank known gradients g_r (per rank and parameter, from one generator), calls
+``reduce_moe_gradients(dense_params, expert_params, dp_group, world_group)`` and compares with the two sums above;
+values, dtypes and storage: each ``.grad`` is updated where it is (the tensor an optimizer holds), parameters
+unchanged, a parameter with no gradient (frozen) left alone. On real ranks the all-reduces are counted with
+their groups' ranks (``lablib.measure.counting``): an expert's gradient must be reduced over its dp group only.
+
+Cases (``CASES``): fp32; float64; a frozen expert parameter (requires_grad False, grad None). Tolerance: a sum of
+at most W terms in any order, and a division: gamma_{W+1} u times the sum of the terms' magnitudes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lablib import checks
+from lablib.measure import counting
+from lablib.measure.rankcheck import gamma
+
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
+CASES = {"fp32": torch.float32, "float64": torch.float64, "frozen": torch.float32}
+SHAPES = {"dense": [(6, 4), (4,)], "expert": [(5, 3), (3,)]}
+
+
+def parse_mesh(spec: str) -> tuple[int, int]:
+    """'2x3' -> (dp 2, ep 3)."""
+    dp, _, ep = spec.partition("x")
+    return int(dp), int(ep)
+
+
+def mesh_groups(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(dp groups: ranks holding the same experts, one per e; ep groups: one per d)."""
+    return ([[d * ep + e for d in range(dp)] for e in range(ep)], [[d * ep + e for e in range(ep)] for d in range(dp)])
+
+
+def _grads(case: str, rank: int, kind: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(31 * rank + (0 if kind == "dense" else 1))
+    return [torch.randn(shape, generator=gen).to(CASES[case]) for shape in SHAPES[kind]]
+
+
+def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group) -> dict:
+    world = dp * ep
+    dtype = CASES[case]
+    record = {"case": case, "rank": rank, "mesh": f"{dp}x{ep}", "error": None}
+    try:
+        params = {kind: [torch.nn.Parameter(torch.full(s, float(i + 1), dtype=dtype)) for i, s in enumerate(SHAPES[kind])]
+                  for kind in SHAPES}
+        for kind in SHAPES:
+            for p, g in zip(params[kind], _grads(case, rank, kind)):
+                p.grad = g.clone()
+        if case == "frozen":
+            params["expert"][1].requires_grad_(False)
+            params["expert"][1].grad = None
+        held = {kind: [p.grad for p in params[kind]] for kind in SHAPES}
+        with counting.count_collectives() as log:
+            impl.reduce_moe_gradients(params["dense"], params["expert"], dp_group, world_group)
+        same_dp = [d * ep + rank % ep for d in range(dp)]
+        diffs, bounds = {}, {}
+        for kind, ranks in (("dense", range(world)), ("expert", same_dp)):
+            terms = [_grads(case, r, kind) for r in ranks]
+            for i, p in enumerate(params[kind]):
+                name = f"{kind}[{i}]"
+                if case == "frozen" and kind == "expert" and i == 1:
+                    diffs[name] = 0.0 if p.grad is None else float("inf")
+                    bounds[name] = 0.0
+                    continue
+                stacked = torch.stack([t[i].double() for t in terms])
+                want = stacked.sum(0) / world
+                got = p.grad
+                ok = got is not None and got.shape == want.shape and got.dtype == dtype
+                diffs[name] = (got.double() - want).abs().max().item() if ok else float("inf")
+                bounds[name] = gamma(world + 1, UNIT_ROUNDOFF[dtype]) * stacked.abs().sum(0).max().item() / world
+                record.setdefault("in_place", []).append(got is not None and got.data_ptr() == held[kind][i].data_ptr())
+        record.update(diffs=diffs, bounds=bounds,
+                      params_changed=any(not torch.equal(p.detach(), torch.full_like(p, float(i + 1)))
+                                         for kind in SHAPES for i, p in enumerate(params[kind])),
+                      calls=[(c.name, sorted(c.ranks) if c.ranks is not None else None, c.bytes) for c in log.calls],
+                      dp_ranks=same_dp, world=world)
+    except Exception as exc:  # noqa: BLE001 - a wrong answer is a result to report
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+def check(record: dict, real_ranks: bool = True) -> None:
+    where = f"case {record['case']!r}, mesh dp x ep = {record['mesh']}, rank {record['rank']}"
+    if record["error"]:
+        raise checks.CheckFailed(f"reduce_moe_gradients failed ({where}): {record['error']}")
+    for name, diff in record["diffs"].items():
+        hint = ("dense: summed over all W ranks, divided by W" if name.startswith("dense") else
+                "expert: summed over its data-parallel group only (the ranks holding the same experts), divided by "
+                "W = dp x ep (not by dp: each local gradient already sums ep ranks' tokens)")
+        if record["case"] == "frozen" and name == "expert[1]":
+            hint = "a parameter without a gradient (frozen) keeps grad None"
+        checks.check_true(diff <= record["bounds"][name], f"{name}.grad ({where}): max difference "
+                          f"{diff:.2e} from the mean loss's gradient, allowed {record['bounds'][name]:.1e}", hint)
+    checks.check_true(all(record.get("in_place", [])), f"every .grad updated in place ({where})",
+                      "the optimizer holds the .grad tensors: reduce into them (all_reduce works in place)")
+    checks.check_true(not record["params_changed"], f"the parameters themselves unchanged ({where})")
+    if real_ranks:
+        for name, ranks, _ in record["calls"]:
+            checks.check_true(name == "all_reduce" and ranks is not None and
+                              sorted(ranks) in (record["dp_ranks"], list(range(record["world"]))),
+                              f"collectives ({where}): {name} over ranks {ranks}",
+                              "all_reduce over the dp group (experts) or over every rank (dense parameters)")

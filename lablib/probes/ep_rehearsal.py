@@ -1,0 +1,113 @@
+"""Lab 13's thread rehearsal: ``all_to_all_single`` with uneven splits, and sub-groups, on threads as ranks.
+
+``lablib.probes.rehearsal`` runs ranks as threads and ignores the group argument (every thread is in it). Expert
+parallelism needs two things more: ``all_to_all_single`` with its split sizes, and, on a 2-D mesh, collectives on
+sub-groups. ``ThreadGroup(ranks)`` stands for a group in a rehearsal, and ``fakes(world, local)`` (passed to
+``run_in_thread_ranks(..., more_fakes=fakes)``) replaces ``get_rank``, ``get_world_size``, ``all_reduce`` and
+``all_to_all_single`` by versions that honour it:
+
+- every collective is still a rendezvous of *all* the threads (each calls it with its own group), so the ranks of
+  different groups must call their collectives in the same order, as the exercises' code does (every rank reduces
+  the same parameters in the same order); a thread whose group names ranks that called something else waits and
+  then fails with ``RehearsalDeadlock``;
+- a result is computed from the slots of the caller's group only, in the group's rank order;
+- ``all_to_all_single`` checks what gloo checks (the splits sum to the tensors' first dimension; rank s's
+  input_split_sizes[r] equals rank r's output_split_sizes[s]) and raises the error a real run would
+  (gloo: "Received data size doesn't match expected size") instead of a hang or a silent result.
+
+A group object of another kind (the real ``dist.group.WORLD``, None) means every thread.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lablib.probes.rehearsal import RehearsalUnsupported, _reduce
+
+
+class ThreadGroup:
+    """A process group of the rehearsal: the threads (ranks) in it, in group-rank order."""
+
+    def __init__(self, ranks):
+        self.ranks = list(ranks)
+
+    def __repr__(self) -> str:
+        return f"ThreadGroup({self.ranks})"
+
+
+def _members(group, world) -> list[int]:
+    return group.ranks if isinstance(group, ThreadGroup) else list(range(world.n))
+
+
+def _splits(sizes, rows: int, n: int, what: str) -> list[int]:
+    if sizes is None or len(sizes) == 0:
+        if rows % n:
+            raise ValueError(f"all_to_all_single: no {what} given and dim 0 ({rows}) does not divide by the group's "
+                             f"{n} ranks")
+        return [rows // n] * n
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != n or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single: {what}={sizes} must have one entry per rank of the group ({n}) "
+                         f"and sum to the tensor's dim 0 ({rows})")
+    return sizes
+
+
+def fakes(world, local) -> dict:
+    def get_rank(group=None):
+        members = _members(group, world)
+        return members.index(local.rank) if local.rank in members else -1
+
+    def get_world_size(group=None):
+        return len(_members(group, world))
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, **_):
+        members = _members(group, world)
+        values = world.exchange("all_reduce", (tuple(members), tensor.detach().clone()))
+        mine = [values[r] for r in members]
+        if any(m[0] != tuple(members) for m in mine):
+            raise RuntimeError(f"all_reduce: rank {local.rank} reduced over ranks {members}, but ranks of that group "
+                               f"called it with other groups {[list(m[0]) for m in mine]} (on real ranks: a hang)")
+        with torch.no_grad():
+            tensor.copy_(_reduce([m[1] for m in mine], op))
+        return _Done() if async_op else None
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False, **_):
+        members = _members(group, world)
+        n, me = len(members), members.index(local.rank)
+        sent = _splits(input_split_sizes, input.shape[0], n, "input_split_sizes")
+        expected = _splits(output_split_sizes, output.shape[0], n, "output_split_sizes")
+        values = world.exchange("all_to_all_single", (tuple(members), sent, input.detach().clone()))
+        pieces = []
+        for s, r in enumerate(members):
+            their_group, their_sizes, their_input = values[r]
+            if their_group != tuple(members):
+                raise RuntimeError(f"all_to_all_single: rank {local.rank} and rank {r} called it on different groups")
+            if their_sizes[me] != expected[s] or their_input.shape[1:] != input.shape[1:]:
+                raise RuntimeError(f"all_to_all_single on rank {local.rank}: expected {expected[s]} rows from group "
+                                   f"rank {s}, which sends {their_sizes[me]} (shape {tuple(their_input.shape)}); on "
+                                   f"gloo: 'Received data size doesn't match expected size'. Exchange the counts "
+                                   f"first and pass them as output_split_sizes")
+            start = sum(their_sizes[:me])
+            pieces.append(their_input[start:start + their_sizes[me]])
+        with torch.no_grad():
+            output.copy_(torch.cat(pieces).to(output.dtype) if pieces else output)
+        return _Done() if async_op else None
+
+    def unsupported(name):
+        def call(*args, **kwargs):
+            raise RehearsalUnsupported(f"torch.distributed.{name} is not rehearsed in lab 13's threads")
+        return call
+
+    return {"get_rank": get_rank, "get_world_size": get_world_size, "all_reduce": all_reduce,
+            "all_to_all_single": all_to_all_single, "all_gather": unsupported("all_gather"),
+            "all_gather_into_tensor": unsupported("all_gather_into_tensor")}
+
+
+class _Done:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True

@@ -1,0 +1,160 @@
+"""Lab 13's probes, as the notebook reaches them: exercises 1 and 2 (the capacity rule and the load-balancing loss)
+checked in this process by their properties; exercises 3 and 4 rehearsed on threads as ranks, then run for real
+(``lablib.runs.expert_parallel``). One module per exercise's probe:
+
+- ``lablib.probes.ep_dispatch``: exercise 3, dispatch and combine with all_to_all_single vs one process;
+- ``lablib.probes.ep_grads``: exercise 4, the gradient reduction of expert x data parallelism on a dp x ep mesh;
+- ``lablib.probes.ep_rehearsal``: all_to_all_single and sub-groups on threads.
+
+The properties checked here never hold an answer: the hidden tests compare with the instructor's references.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lablib import checks
+from lablib.jobs.exercise import load_module
+from lablib.probes import ep_dispatch, ep_grads, ep_rehearsal
+
+REQUIRED = {"routing": ("expert_capacity", "keep_within_capacity"), "aux_loss": ("load_balancing_loss",),
+            "dispatch": ("expert_parallel_moe",), "ep_dp": ("reduce_moe_gradients",)}
+
+
+def load_impl(path: str, exercise: str):
+    return load_module(path, required=REQUIRED[exercise])
+
+
+# --- exercise 1: capacity ---------------------------------------------------------------------------------------
+
+def routing_cases(seed: int = 0) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, expert_index (T, k), num_experts): random k = 1 and 2 with T that E does not divide, an expert no
+    token picks, every token on one expert, a single token, no token."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for name, t, e, k in (("k1", 37, 4, 1), ("k2", 29, 6, 2), ("many", 101, 8, 2)):
+        cases.append((name, torch.rand(t, e, generator=gen).topk(k, dim=-1).indices, e))
+    scores = torch.rand(23, 5, generator=gen)
+    scores[:, 3] = -1
+    cases.append(("empty expert", scores.topk(2, dim=-1).indices, 5))
+    cases.append(("one expert", torch.zeros(17, 1, dtype=torch.long), 4))
+    cases.append(("one token", torch.tensor([[2, 0]]), 3))
+    cases.append(("no token", torch.zeros(0, 2, dtype=torch.long), 3))
+    return cases
+
+
+def check_keep_properties(keep, expert_index: torch.Tensor, num_experts: int, capacity: int, name: str) -> None:
+    """What any capacity rule must do: a bool (T, k) mask; no expert keeps more than capacity; an expert drops an
+    assignment only when it is full (keeps min(routed, capacity)); the caller's expert_index unchanged."""
+    checks.check_true(isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.shape == expert_index.shape,
+                      f"keep_within_capacity returns a bool tensor shaped like expert_index ({name})",
+                      f"got {type(keep).__name__} {getattr(keep, 'dtype', '')} {tuple(getattr(keep, 'shape', ()))}")
+    routed = torch.bincount(expert_index.flatten(), minlength=num_experts)
+    kept = torch.bincount(expert_index[keep], minlength=num_experts)
+    checks.check_equal(kept.tolist(), routed.clamp(max=capacity).tolist(),
+                       f"assignments kept per expert ({name}, capacity {capacity})",
+                       "each expert keeps min(assignments routed to it, capacity): it drops only when full")
+
+
+def check_capacity_properties(capacity_fn) -> None:
+    for t, e, k, c in ((64, 4, 1, 1.0), (64, 4, 2, 1.0), (10, 4, 1, 1.0), (10, 3, 2, 1.25), (1, 8, 1, 1.0)):
+        got = capacity_fn(t, e, k, c)
+        checks.check_true(isinstance(got, int) and not isinstance(got, bool), f"expert_capacity({t}, {e}, {k}, {c}) "
+                          f"is an int", f"got {got!r} ({type(got).__name__}): a number of tokens")
+        checks.check_true(got >= c * k * t / e - 1e-9 and got < c * k * t / e + 1,
+                          f"expert_capacity({t}, {e}, {k}, {c}) = {got}: at least the average share times the factor "
+                          f"({c * k * t / e:g}), less than one more", "k T c / E, rounded up")
+
+
+# --- exercise 2: the load-balancing loss ------------------------------------------------------------------------
+
+def check_aux_properties(loss_fn) -> None:
+    """Uniform routing and probabilities give alpha (E f_i P_i = 1/E each); the loss is differentiable in the
+    probabilities with d loss / d p_ti = alpha E f_i / T (f counts tokens: no gradient); the inputs unchanged."""
+    e, t, alpha = 4, 8, 0.01
+    probs = torch.full((t, e), 1.0 / e, requires_grad=True)
+    index = torch.arange(t).remainder(e).unsqueeze(1)
+    loss = loss_fn(probs, index, alpha)
+    checks.check_true(isinstance(loss, torch.Tensor) and loss.dim() == 0, "the loss is a scalar tensor",
+                      f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+    checks.check_close(float(loss.detach()), alpha, "the loss of perfectly balanced routing (f_i = P_i = 1/E)", rtol=1e-6,
+                       hint="alpha * E * sum_i f_i P_i = alpha * E * E / E^2 = alpha")
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(t, e, generator=gen, requires_grad=True)
+    probs = logits.softmax(-1)
+    probs.retain_grad()
+    index = torch.tensor([0, 0, 0, 1, 0, 2, 0, 1]).unsqueeze(1)
+    before = probs.detach().clone()
+    loss = loss_fn(probs, index, alpha)
+    checks.check_true(loss.requires_grad, "the loss has a gradient with respect to the router's probabilities",
+                      "P_i is the mean of the probabilities: keep it in the graph")
+    loss.backward()
+    f = torch.bincount(index.flatten(), minlength=e).double() / t
+    want = (alpha * e * f / t).expand(t, e)
+    checks.check_true(torch.allclose(probs.grad.double(), want, rtol=1e-5, atol=1e-9),
+                      "d loss / d p_ti = alpha E f_i / T", f"got row 0 {probs.grad[0].tolist()}, want "
+                      f"{want[0].tolist()}: f_i (a count) carries no gradient; P_i averages every token's p_i")
+    checks.check_true(torch.equal(probs.detach(), before), "the router's probabilities come back unchanged")
+
+
+# --- exercises 3 and 4 on threads ------------------------------------------------------------------------------
+
+def rehearse_dispatch(path: str, world_size: int, cases) -> list[dict]:
+    """Exercise 3 on ``world_size`` threads standing in for ranks: every rank's record (values, rows, gradients;
+    collectives are counted on real ranks only). [] when the rehearsal cannot emulate what the code calls."""
+    from lablib.probes.rehearsal import RehearsalUnsupported, run_in_thread_ranks
+
+    impl = load_impl(path, "dispatch")
+    group = ep_rehearsal.ThreadGroup(range(world_size))
+    records = []
+    try:
+        for case in cases:
+            records += run_in_thread_ranks(world_size, lambda r: ep_dispatch.probe(impl, case, r, world_size, group),
+                                           more_fakes=ep_rehearsal.fakes)
+    except RehearsalUnsupported:
+        return []
+    return records
+
+
+def rehearse_grads(path: str, mesh: str, cases) -> list[dict]:
+    """Exercise 4 on dp x ep threads (``mesh`` 'DPxEP'), each with its own dp group and the world group."""
+    from lablib.probes.rehearsal import RehearsalUnsupported, run_in_thread_ranks
+
+    impl = load_impl(path, "ep_dp")
+    dp, ep = ep_grads.parse_mesh(mesh)
+    dp_groups, _ = ep_grads.mesh_groups(dp, ep)
+    world = ep_rehearsal.ThreadGroup(range(dp * ep))
+    records = []
+    try:
+        for case in cases:
+            records += run_in_thread_ranks(
+                dp * ep, lambda r: ep_grads.probe(impl, case, r, dp, ep, ep_rehearsal.ThreadGroup(dp_groups[r % ep]),
+                                                  world), more_fakes=ep_rehearsal.fakes)
+    except RehearsalUnsupported:
+        return []
+    return records
+
+
+def check_records(records, exercise: str, real_ranks: bool) -> None:
+    check = ep_dispatch.check if exercise == "dispatch" else ep_grads.check
+    for r in records:
+        check(r, real_ranks=real_ranks)
+
+
+def capacity_factor_sweep(num_tokens: int, num_experts: int, k: int, factors, expert_index_fn, capacity_fn,
+                          keep_fn) -> list[float]:
+    """The dropped fraction at each capacity factor, for routing drawn by ``expert_index_fn()`` (T, k)."""
+    out = []
+    for c in factors:
+        index = expert_index_fn()
+        keep = keep_fn(index, num_experts, capacity_fn(num_tokens, num_experts, k, c))
+        out.append(1.0 - keep.float().mean().item())
+    return out
+
+
+def balance(tokens_per_expert) -> float:
+    """max over experts / mean: 1 is perfect balance; the busiest expert (its rank) sets the step time."""
+    t = torch.as_tensor(tokens_per_expert, dtype=torch.float64)
+    return float(t.max() / t.mean()) if t.sum() else math.nan

@@ -1,0 +1,165 @@
+"""Lab 13's library pieces without a process start: the MoE layer and its formulas, the thread rehearsal's
+all_to_all_single and sub-groups, and the probes' verdicts on answers written here (right and wrong)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lablib import checks
+from lablib.course import moe
+from lablib.course.models import GPTConfig
+from lablib.probes import ep_dispatch, ep_grads, ep_rehearsal
+from lablib.probes.rehearsal import RehearsalDeadlock, run_in_thread_ranks
+from lablib.runs import expert_parallel as ep_run
+
+
+def test_combine_in_one_process_is_the_gated_sum():
+    torch.manual_seed(0)
+    experts = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+    x, gates = torch.randn(4, 3), torch.rand(4, 2)
+    index = torch.tensor([[0, 1], [2, moe.DROPPED], [1, 0], [moe.DROPPED, moe.DROPPED]])
+    y = moe.combine_in_one_process(x, index, gates, experts)
+    for t in range(4):
+        want = sum((gates[t, j] * experts[int(index[t, j])](x[t]) for j in range(2) if index[t, j] >= 0),
+                   torch.zeros(3))
+        assert torch.allclose(y[t], want, atol=1e-6)
+
+
+def test_router_gates_renormalised_for_top2_not_for_top1():
+    x = torch.randn(10, 8)
+    for k in (1, 2):
+        router = moe.Router(8, 4, k)
+        probs, index, gates = router(x)
+        assert torch.allclose(probs.sum(-1), torch.ones(10))
+        if k == 1:
+            assert torch.equal(gates, probs.gather(1, index))
+        else:
+            assert torch.allclose(gates.sum(-1), torch.ones(10))
+    with pytest.raises(ValueError, match="between 1 and num_experts"):
+        moe.Router(8, 4, 5)
+
+
+def test_moe_layer_without_rules_drops_nothing_and_counts_every_assignment():
+    layer = moe.MoEMLP(GPTConfig(n_embd=8, n_head=1), num_experts=4, k=2)
+    y = layer(torch.randn(2, 5, 8))
+    assert y.shape == (2, 5, 8) and layer.dropped == 0 and int(layer.tokens_per_expert.sum()) == 20
+    with pytest.raises(ValueError, match="keep_fn"):
+        moe.MoEMLP(GPTConfig(n_embd=8, n_head=1), num_experts=4, capacity_factor=1.0)
+
+
+def test_dropped_fraction_formula_against_sampling():
+    """The binomial formula vs 2000 sampled uniform routings (E = 4, T = 64, c = 1): a Monte Carlo mean of a
+    fraction in [0, 1] has standard error below 0.5 / sqrt(2000) = 0.011; 4 standard errors allowed."""
+    gen = torch.Generator().manual_seed(0)
+    E, T, C = 4, 64, 16
+    loads = torch.stack([torch.bincount(torch.randint(E, (T,), generator=gen), minlength=E) for _ in range(2000)])
+    sampled = (loads - C).clamp(min=0).sum(1).float().mean().item() / T
+    assert abs(sampled - moe.dropped_fraction_uniform(T, E, 1, 1.0)) < 4 * 0.5 / math.sqrt(2000)
+    assert moe.dropped_fraction_uniform(T, 1, 1, 1.0) == 0.0
+
+
+def test_bytes_formula():
+    b = moe.all_to_all_bytes_per_rank(tokens=4096, k=2, n_embd=4096, world_size=8, value_bytes=2)
+    assert b["dispatch"] == 2 * 4096 * 4096 * 2 and b["forward_leaving_rank"] == pytest.approx(2 * b["dispatch"] * 7 / 8)
+
+
+def _a2a_body(rank):
+    group = ep_rehearsal.ThreadGroup([0, 1, 2])
+    sizes = [[1, 2, 0], [0, 1, 3], [2, 0, 1]][rank]                       # rows rank sends to each rank
+    x = torch.arange(sum(sizes), dtype=torch.float32).unsqueeze(1) + 100 * rank
+    recv = [[1, 0, 2], [2, 1, 0], [0, 3, 1]][rank]
+    out = torch.empty(sum(recv), 1)
+    torch.distributed.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=sizes, group=group)
+    return out.squeeze(1).tolist()
+
+
+def test_rehearsal_all_to_all_single_uneven():
+    got = run_in_thread_ranks(3, _a2a_body, more_fakes=ep_rehearsal.fakes)
+    assert got == [[0.0, 200.0, 201.0], [1.0, 2.0, 100.0], [101.0, 102.0, 103.0, 202.0]]
+
+
+def test_rehearsal_all_to_all_single_refuses_wrong_output_splits():
+    def body(rank):
+        out = torch.empty(2, 1)
+        torch.distributed.all_to_all_single(out, torch.zeros(2 + rank, 1), output_split_sizes=[1, 1],
+                                            input_split_sizes=[1, 1 + rank])
+    with pytest.raises(RuntimeError, match="Received data size doesn't match"):
+        run_in_thread_ranks(2, body, more_fakes=ep_rehearsal.fakes)
+
+
+def test_rehearsal_all_reduce_over_sub_groups():
+    def body(rank):
+        t = torch.tensor([float(rank)])
+        torch.distributed.all_reduce(t, group=ep_rehearsal.ThreadGroup([rank % 2, rank % 2 + 2]))
+        return (t.item(), torch.distributed.get_rank(ep_rehearsal.ThreadGroup([rank % 2, rank % 2 + 2])))
+    assert run_in_thread_ranks(4, body, more_fakes=ep_rehearsal.fakes) == [(2.0, 0), (4.0, 0), (2.0, 1), (4.0, 1)]
+
+
+def test_rehearsal_deadlock_is_reported():
+    def body(rank):
+        if rank == 0:
+            torch.distributed.all_reduce(torch.zeros(1))
+    with pytest.raises(RehearsalDeadlock):
+        run_in_thread_ranks(2, body, timeout_s=1.0, more_fakes=ep_rehearsal.fakes)
+
+
+class _Zeros:
+    """A dispatch that sends nothing and returns zeros: it must fail."""
+
+    @staticmethod
+    def expert_parallel_moe(x, expert_index, gates, local_experts, num_experts, group):
+        return torch.zeros_like(x)
+
+
+def test_dispatch_probe_rejects_a_wrong_answer_and_names_the_output():
+    group = ep_rehearsal.ThreadGroup([0, 1])
+    records = run_in_thread_ranks(2, lambda r: ep_dispatch.probe(_Zeros, "uneven", r, 2, group),
+                                  more_fakes=ep_rehearsal.fakes)
+    with pytest.raises(checks.CheckFailed, match="does not require grad|rows each local expert ran|output equals"):
+        ep_dispatch.check(records[0], real_ranks=False)
+
+
+class _Mean:
+    @staticmethod
+    def reduce_moe_gradients(dense_params, expert_params, dp_group, world_group):
+        for params, group in ((dense_params, world_group), (expert_params, dp_group)):
+            for p in params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, group=group)
+                    p.grad /= torch.distributed.get_world_size(world_group)
+
+
+class _DividedByDp(_Mean):
+    @staticmethod
+    def reduce_moe_gradients(dense_params, expert_params, dp_group, world_group):
+        _Mean.reduce_moe_gradients(dense_params, expert_params, dp_group, world_group)
+        for p in expert_params:
+            if p.grad is not None:
+                p.grad *= torch.distributed.get_world_size(world_group) / torch.distributed.get_world_size(dp_group)
+
+
+@pytest.mark.parametrize("impl, passes", [(_Mean, True), (_DividedByDp, False)])
+def test_grads_probe_on_a_2x2_mesh(impl, passes):
+    dp_groups, _ = ep_grads.mesh_groups(2, 2)
+    world = ep_rehearsal.ThreadGroup(range(4))
+    records = run_in_thread_ranks(4, lambda r: ep_grads.probe(impl, "frozen", r, 2, 2,
+                                                              ep_rehearsal.ThreadGroup(dp_groups[r % 2]), world),
+                                  more_fakes=ep_rehearsal.fakes)
+    if passes:
+        for record in records:
+            ep_grads.check(record, real_ranks=False)
+    else:
+        with pytest.raises(checks.CheckFailed, match="expert"):
+            ep_grads.check(records[0], real_ranks=False)
+
+
+def test_run_config_validation():
+    with pytest.raises(ValueError, match="unknown"):
+        ep_run.Config(exercise="dispatch", cases=("nope",)).validate()
+    with pytest.raises(ValueError, match="needs 4 ranks"):
+        ep_run.Config(exercise="ep_dp", mesh="2x2").validate_world(2)
+    ep_run.Config(exercise="ep_dp", mesh="2x2", cases=("frozen",)).validate()

@@ -1,0 +1,152 @@
+"""Wrong answers for lab 13 (see tests/wrong_answers/__init__.py): the solution's own cells with one mistake each,
+and correct answers written another way (CORRECT_VARIANTS), which must keep full marks.
+
+Exercises 3 and 4 are rehearsed on threads before their torchrun start, so every wrong answer below fails there,
+without a process start, except where noted.
+"""
+
+from __future__ import annotations
+
+from wrong_answers import SolutionCells
+
+_cells = SolutionCells("13_expert_parallel")
+_changed = _cells.changed
+
+_KEEP_BODY = _cells.source("moe_routing").split("    by_priority = ")[1].split("\n\n")[0]
+_KEEP_BODY = "    by_priority = " + _KEEP_BODY
+
+
+def _keep_replaced(body: str) -> str:
+    return _changed("moe_routing", (_KEEP_BODY, body.strip("\n")))
+
+
+WRONG_ANSWERS = {
+    "moe_routing": [
+        ("capacity rounded down", _changed("moe_routing", (
+            "    return math.ceil(capacity_factor * k * num_tokens / num_experts)",
+            "    return math.floor(capacity_factor * k * num_tokens / num_experts)"))),
+        ("capacity forgets the k assignments per token", _changed("moe_routing", (
+            "    return math.ceil(capacity_factor * k * num_tokens / num_experts)",
+            "    return math.ceil(capacity_factor * num_tokens / num_experts)"))),
+        ("priority token by token (each token's choices together), not first choices first", _changed("moe_routing", (
+            "    by_priority = expert_index.t().reshape(-1)", "    by_priority = expert_index.reshape(-1)"), (
+            "    return fits.view(expert_index.shape[1], -1).t().contiguous()",
+            "    return fits.view(expert_index.shape)"))),
+        ("each expert keeps its last `capacity` assignments instead of its first", _keep_replaced('''
+    by_priority = expert_index.t().reshape(-1).flip(0)                # walked from the end
+    one_hot = torch.nn.functional.one_hot(by_priority, num_experts)
+    position = one_hot.cumsum(0) - 1
+    fits = (position.gather(1, by_priority.unsqueeze(1)).squeeze(1) < capacity).flip(0)
+    return fits.view(expert_index.shape[1], -1).t().contiguous()''')),
+        ("capacity applied to the whole batch (the first E x capacity assignments kept, whatever their expert), "
+         "not per expert", _keep_replaced('''
+    by_priority = expert_index.t().reshape(-1)
+    fits = torch.arange(by_priority.numel()) < capacity * num_experts
+    return fits.view(expert_index.shape[1], -1).t().contiguous()''')),
+    ],
+    "moe_aux_loss": [
+        ("P_i from the chosen experts' probabilities only (the top-k gates), not the softmax over all experts",
+         _changed("moe_aux_loss", ("    P = router_probs.mean(dim=0)",
+                                   "    chosen = torch.zeros_like(router_probs).scatter(1, expert_index, 1.0)\n"
+                                   "    P = (router_probs * chosen).mean(dim=0)"))),
+        ("the factor E (the number of experts) left out", _changed("moe_aux_loss", (
+            "    return alpha * num_experts * torch.sum(f * P)", "    return alpha * torch.sum(f * P)"))),
+        ("f_i divided by T, not by the T k assignments (k = 2 counts every token twice)", _changed("moe_aux_loss", (
+            "    f = counts.to(router_probs.dtype) / expert_index.numel()",
+            "    f = counts.to(router_probs.dtype) / num_tokens"))),
+        ("f_i taken from the probabilities (soft counts: f = P), so the loss is E sum P_i^2", _changed("moe_aux_loss", (
+            "    f = counts.to(router_probs.dtype) / expert_index.numel()", "    f = router_probs.mean(dim=0)"))),
+    ],
+    "ep_dispatch": [
+        ("combine in dispatch order: the i-th result back goes to the i-th kept token, not to its own token",
+         _changed("ep_dispatch", ("    return torch.zeros_like(x).index_add(0, order // k, weighted)",
+                                  "    return torch.zeros_like(x).index_add(0, torch.sort(order // k).values, weighted)"))),
+        ("the counts are not exchanged: each rank assumes it receives what it sends (equal splits)", _changed(
+            "ep_dispatch", ("    dist.all_to_all_single(received, per_expert, group=group)",
+                            "    received.copy_(per_expert)"))),
+        ("the all-to-all's backward sends the gradient with the same splits as the forward (not swapped)", _changed(
+            "ep_dispatch", ("        grad_in = grad_out.new_empty((sum(ctx.in_splits),) + tuple(grad_out.shape[1:]))\n"
+                            "        dist.all_to_all_single(grad_in, grad_out.contiguous(), output_split_sizes=ctx.in_splits,\n"
+                            "                               input_split_sizes=ctx.out_splits, group=ctx.group)",
+                            "        grad_in = grad_out.new_empty((sum(ctx.out_splits),) + tuple(grad_out.shape[1:]))\n"
+                            "        dist.all_to_all_single(grad_in, grad_out.contiguous(), output_split_sizes=ctx.out_splits,\n"
+                            "                               input_split_sizes=ctx.in_splits, group=ctx.group)"))),
+        ("the gates are not applied to the experts' outputs", _changed("ep_dispatch", (
+            "    weighted = back * gates.reshape(-1)[order].unsqueeze(1)", "    weighted = back"))),
+        ("an expert that received no row is skipped, so that rank's backward skips the combine's all-to-all "
+         "(a deadlock, reported by the thread rehearsal after its timeout)", _changed("ep_dispatch", (
+            "        out = out.index_copy(0, rows, expert(tokens[rows]))",
+            "        if rows.numel():\n            out = out.index_copy(0, rows, expert(tokens[rows]))"))),
+    ],
+    "ep_dp": [
+        ("the experts' gradients reduced over every rank (the wrong group: different experts added together)",
+         _changed("ep_dp", ("(expert_params, dp_group)", "(expert_params, world_group)"))),
+        ("the experts' gradients averaged over their data-parallel group (divided by dp, not by the world size)",
+         _changed("ep_dp", ("            p.grad.div_(world)", "            p.grad.div_(dist.get_world_size(group))"))),
+        ("the dense gradients reduced over the data-parallel group only", _changed("ep_dp", (
+            "(dense_params, world_group)", "(dense_params, dp_group)"))),
+        ("the reduced gradient assigned as a new tensor, not written into the .grad the optimizer holds", _changed(
+            "ep_dp", ("            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)\n"
+                      "            p.grad.div_(world)",
+                      "            total = p.grad.clone()\n"
+                      "            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)\n"
+                      "            p.grad = total / world"))),
+    ],
+    "dispatch_bytes_answer": [
+        ("(c): counts the rank's own block as sent away", 'dispatch_bytes_answer = "c"'),
+        ("(a): the dispatch only, no combine, k forgotten", 'dispatch_bytes_answer = "a"'),
+    ],
+}
+
+CORRECT_VARIANTS = {
+    "moe_routing": [
+        ("loops over choices and tokens, a counter per expert", _keep_replaced('''
+    num_tokens, k = expert_index.shape
+    keep = torch.zeros(num_tokens, k, dtype=torch.bool)
+    used = [0] * num_experts
+    for j in range(k):
+        for t in range(num_tokens):
+            e = int(expert_index[t, j])
+            keep[t, j] = used[e] < capacity
+            used[e] += 1
+    return keep''')),
+    ],
+    "moe_aux_loss": [
+        ("f from a one-hot mean, P by sum / T", _changed("moe_aux_loss", (
+            "    counts = torch.bincount(expert_index.reshape(-1), minlength=num_experts)\n"
+            "    f = counts.to(router_probs.dtype) / expert_index.numel()\n"
+            "    P = router_probs.mean(dim=0)",
+            "    one_hot = torch.nn.functional.one_hot(expert_index, num_experts).to(router_probs.dtype)\n"
+            "    f = one_hot.sum(dim=(0, 1)) / (num_tokens * expert_index.shape[1])\n"
+            "    P = router_probs.sum(dim=0) / num_tokens"))),
+    ],
+    "ep_dispatch": [
+        ("PyTorch's autograd all-to-all (torch.distributed.nn.functional.all_to_all_single) instead of the own "
+         "Function", _changed("ep_dispatch", (
+            "    tokens = AllToAll.apply(x[order // k], send_splits, recv_splits, group)",
+            "    from torch.distributed.nn.functional import all_to_all_single as a2a\n"
+            "    send = x[order // k]\n"
+            "    tokens = a2a(send.new_empty((sum(recv_splits),) + tuple(send.shape[1:])), send, recv_splits,\n"
+            "                 send_splits, group)"), (
+            "    back = AllToAll.apply(out, recv_splits, send_splits, group)",
+            "    back = a2a(out.new_empty((sum(send_splits),) + tuple(out.shape[1:])), out, send_splits, recv_splits,\n"
+            "               group)"))),
+    ],
+    "ep_dp": [
+        ("one flat buffer per group: one all-reduce each, copied back into the .grad tensors", _changed("ep_dp", (
+            "        for p in params:\n"
+            "            if p.grad is None:                  # frozen, or never reached: nothing to reduce\n"
+            "                continue\n"
+            "            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)\n"
+            "            p.grad.div_(world)                  # W, not the group's size: see the derivation above",
+            "        grads = [p.grad for p in params if p.grad is not None]\n"
+            "        if not grads:\n"
+            "            continue\n"
+            "        flat = torch.cat([g.reshape(-1) for g in grads])\n"
+            "        dist.all_reduce(flat, group=group)\n"
+            "        flat /= world\n"
+            "        for g, part in zip(grads, flat.split([g.numel() for g in grads])):\n"
+            "            g.copy_(part.view_as(g))"), (
+            "import torch.distributed as dist", "import torch\nimport torch.distributed as dist"))),
+    ],
+}
