@@ -36,6 +36,7 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.course.scaling``  lab 03's strong-scaling formulas, the explicit all-reduce and DDP's bucket timer
 - ``lablib.course.training`` lab 05's one training loop for a single process, DDP, accumulation and FSDP2
 - ``lablib.course.checkpoint_interval`` lab 10's checkpoint interval simulated (failures at random)
+- ``lablib.course.moe``      lab 13's mixture-of-experts MLP in one process (router, gated sum, MoE GPT, its formulas)
 - ``lablib.course.plots``    the course's matplotlib conventions and widgets
 
 ``lablib.parallel``: parallelisms applied to a plain model from outside
@@ -72,6 +73,10 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.pipeline_schedules`` lab 09's schedules graded by what one must do (the 1F1B rule played)
 - ``lablib.probes.pipeline_recorder``  what a pipeline stage ran and when, and the activations it saved
 - ``lablib.probes.fault_tolerance`` lab 10's resumed runs
+- ``lablib.probes.expert_parallel`` lab 13's probes as the notebook reaches them (capacity and loss properties)
+- ``lablib.probes.ep_dispatch``     lab 13's dispatch and combine on ranks vs one process (values, rows, bytes)
+- ``lablib.probes.ep_grads``        lab 13's gradient reduction on a dp x ep mesh (values, groups)
+- ``lablib.probes.ep_rehearsal``    all_to_all_single with uneven splits, and sub-groups, on thread ranks
 
 - ``lablib.checks``    the assertions the notebooks' checks use (clear messages, with hints)
 - ``lablib.runs``      the multi-process steps, one module per step; a step never imports another
