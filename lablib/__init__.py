@@ -47,6 +47,9 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.parallel.async_checkpoint`` ``dcp.save`` against ``dcp.async_save``: the time the job waits
 - ``lablib.parallel.activation_checkpointing``  activation checkpointing applied to a plain model
 - ``lablib.parallel.zero_states``     the model-state setups labs 04 and 07 count (DDP, ZeroRedundancyOptimizer, FSDP2)
+- ``lablib.parallel.strategies``      lab 11's strategy interface (wrap_model, wrap_optimizer, sync_gradients,
+                                      full_weights) and PyTorch's strategies behind it
+- ``lablib.parallel.strategy_rows``   lab 11's rows from the students' labs 06-08, and stand-ins for missing files
 
 ``lablib.probes``: observers of the students' code behind the visible checks (properties, never an answer)
 - ``lablib.probes.rehearsal``       ranks as threads of this process: collectives rehearsed in a second before torchrun
@@ -69,9 +72,11 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.tp_f_g``          lab 08's f and g (autograd Functions, sums, collectives, any input)
 - ``lablib.probes.tp_layers``       lab 08's column/row-parallel layers, MLP and attention vs one process
 - ``lablib.probes.tp_heads``        lab 08's whole heads, and sizes that do not divide refused in full
+- ``lablib.probes.strategy_shards`` lab 11's exercise 2 observed: DTensor's shards made by PyTorch's own layout rule
 - ``lablib.probes.pipeline``        lab 09's pipeline engine (order, timeline, saved bytes, who waited on whom)
 - ``lablib.probes.pipeline_schedules`` lab 09's schedules graded by what one must do (the 1F1B rule played)
 - ``lablib.probes.pipeline_recorder``  what a pipeline stage ran and when, and the activations it saved
+- ``lablib.probes.pipeline_rehearsal`` lab 09's engine on threads as ranks before torchrun (gloo's send/recv matching)
 - ``lablib.probes.fault_tolerance`` lab 10's resumed runs
 - ``lablib.probes.expert_parallel`` lab 13's probes as the notebook reaches them (capacity and loss properties)
 - ``lablib.probes.ep_dispatch``     lab 13's dispatch and combine on ranks vs one process (values, rows, bytes)

@@ -45,9 +45,9 @@ SHIPPED_MODULES = {
                     "supervisor"],
     "lablib/measure": ["__init__", "benchmark", "c10d_ops", "collective_log", "counting", "ddp_timeline", "memory", "p2p", "pipeline_costs",
                        "rankcheck", "timing"],
-    "lablib/parallel": ["__init__", "activation_checkpointing", "async_checkpoint", "checkpoint_run", "checkpointing", "pipeline", "tensor_parallel", "zero_states"],
-    "lablib/probes": ["__init__", "collectives", "ddp", "ddp_cases", "ddp_order", "fault_tolerance", "gpt_migration", "job_setup", "pipeline", "pipeline_recorder", "pipeline_schedules", "rehearsal", "ring_rehearsal", "tensor_parallel", "tp_f_g", "tp_heads", "tp_layers", "zero", "zero3", "zero3_cases", "zero_cases", "zero_checks", "zero_comm", "zero_held", "zero_lab04"],
-    "lablib/runs": ["__init__", "amdahl_scaling", "collectives", "collectives_job", "ddp_overlap", "ddp_scratch", "fault_tolerance", "gpt_migration", "grad_accum", "hello", "pipeline", "pipeline_torch", "ring_allreduce", "tensor_parallel", "tp_2d", "tp_gpt", "zero_memory", "zero_scratch", "zero_stages"],
+    "lablib/parallel": ["__init__", "activation_checkpointing", "async_checkpoint", "checkpoint_run", "checkpointing", "pipeline", "strategies", "strategy_rows", "tensor_parallel", "zero_states"],
+    "lablib/probes": ["__init__", "collectives", "ddp", "ddp_cases", "ddp_order", "fault_tolerance", "gpt_migration", "job_setup", "pipeline", "pipeline_recorder", "pipeline_rehearsal", "pipeline_schedules", "rehearsal", "ring_rehearsal", "strategy_shards", "tensor_parallel", "tp_f_g", "tp_heads", "tp_layers", "zero", "zero3", "zero3_cases", "zero_cases", "zero_checks", "zero_comm", "zero_held", "zero_lab04"],
+    "lablib/runs": ["__init__", "amdahl_scaling", "collectives", "collectives_job", "ddp_overlap", "ddp_scratch", "fault_tolerance", "gpt_migration", "grad_accum", "hello", "pipeline", "pipeline_torch", "ring_allreduce", "strategy_benchmark", "tensor_parallel", "tp_2d", "tp_gpt", "zero_memory", "zero_scratch", "zero_stages"],
 }
 
 

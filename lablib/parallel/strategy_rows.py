@@ -1,0 +1,158 @@
+"""The rows of lab 11's table that are built from the students' earlier labs, and the stand-ins for missing ones.
+
+The students' files (``%%writefile`` cells of labs 06, 07 and 08) are looked up beside this lab's folder
+(``labs_dir``, the folder holding ``06_ddp_from_scratch/`` ...). A file that is missing, or still holds the released
+stubs, is replaced by a stand-in built on PyTorch, never on the earlier lab's answer (students install lablib):
+
+- lab 06's ``DDPIndividualParameters`` / ``DDPBucketed``: ``SyncAfterBackward``, which all-reduces every gradient
+  once the backward is over, in ``finish_gradient_synchronization`` (no hooks, no overlap, no buckets: the contract of
+  lab 06's classes, not their algorithm). A strategy that forgets to call it leaves the ranks apart;
+- lab 07's ``ShardedOptimizer(params, optimizer_cls, **hyper)``: PyTorch's ``ZeroRedundancyOptimizer``;
+- lab 08's ``TensorParallelMLP`` / ``TensorParallelAttention``: the row runs ``DTensorTP`` (``parallelize_module``).
+
+Each row says where its pieces came from (``source``), so the table shows what is yours and what stands in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from lablib.jobs.exercise import unwritten
+from lablib.parallel import tensor_parallel as tp_lib
+from lablib.parallel.strategies import Strategy, merge_qkv
+
+LAB06, LAB07, LAB08 = "06_ddp_from_scratch", "07_zero_from_scratch", "08_tensor_parallel"
+
+
+class SyncAfterBackward(nn.Module):
+    """Stand-in for lab 06's classes: the module, rank 0's weights broadcast at construction, and every gradient
+    all-reduced and divided by N in ``finish_gradient_synchronization`` (after the backward, not during it)."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None = None):
+        super().__init__()
+        if bucket_size_mb is not None and not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb={bucket_size_mb} must be positive")
+        self.module, self.bucket_size_mb, self.world_size = module, bucket_size_mb, dist.get_world_size()
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
+
+    def forward(self, *inputs, **named):
+        output = self.module(*inputs, **named)
+        return output
+
+    def finish_gradient_synchronization(self):
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world_size)
+
+
+def sharded_optimizer_standin(params, optimizer_cls, **hyper):
+    """Stand-in for lab 07's ``ShardedOptimizer``: PyTorch's ZeRO-1."""
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, **hyper)
+
+
+def _usable(path: Path) -> bool:
+    return path.is_file() and not unwritten(path)
+
+
+def lab_modules(labs_dir: str, standins: bool = False) -> tuple[SimpleNamespace, dict[str, str]]:
+    """The classes the rows need, each the student's where its file is written (unless ``standins``), else a
+    stand-in; and for each piece a line saying which it is (and which lab writes the missing file)."""
+    from lablib.probes.ddp import load_bucketed_impl, load_impl
+
+    root = Path(labs_dir).expanduser().resolve()
+    found, source = {}, {}
+
+    def take(key, lab, file, names, load, standin, standin_text):
+        path = root / lab / file
+        if not standins and _usable(path):
+            module = load(str(path)) if load is load_bucketed_impl else load(str(path), names)
+            found[key] = getattr(module, names[0])
+            source[key] = f"yours ({lab}/{file})"
+        else:
+            found[key] = standin
+            why = ("not used: the grading run" if standins else "missing" if not path.is_file()
+                   else "still the released stubs")
+            source[key] = f"stand-in: {standin_text} ({lab}/{file} {why}: lab {lab[:2]} writes it)"
+
+    take("individual", LAB06, "ddp_individual_impl.py", ("DDPIndividualParameters",), load_impl, SyncAfterBackward,
+         "all-reduce after the backward")
+    take("bucketed", LAB06, "ddp_bucketed_impl.py", ("DDPBucketed",), load_bucketed_impl, SyncAfterBackward,
+         "all-reduce after the backward")
+    take("sharded_optimizer", LAB07, "zero1_impl.py", ("ShardedOptimizer",), load_impl, sharded_optimizer_standin,
+         "ZeroRedundancyOptimizer")
+    mlp, attn = root / LAB08 / "tp_mlp_impl.py", root / LAB08 / "tp_attention_impl.py"
+    if not standins and _usable(mlp) and _usable(attn) and _usable(root / LAB08 / "tp_comm_impl.py"):
+        found["tp"] = (load_impl(str(mlp), ("TensorParallelMLP",)).TensorParallelMLP,
+                       load_impl(str(attn), ("TensorParallelAttention",)).TensorParallelAttention)
+        source["tp"] = f"yours ({LAB08}/tp_mlp_impl.py, tp_attention_impl.py)"
+    else:
+        found["tp"] = None
+        source["tp"] = f"stand-in: DTensor parallelize_module ({LAB08}/tp_*_impl.py missing or stubs: lab 08 writes them)"
+    return SimpleNamespace(**found), source
+
+
+class ByHandTP(Strategy):
+    """Lab 08's tensor-parallel GPT: every block's MLP and attention replaced by the student's modules over all
+    ranks (``tensor_parallel.apply_by_hand``); embeddings, norms and the head whole on every rank. Where each shard
+    sits in the full weight is found once, from the initial weights (lab 08's layout: the MLP's contiguous blocks,
+    the attention's rows found by value), and ``full_weights`` puts the trained shards back there."""
+
+    name = "yours_tp"
+
+    def __init__(self, env, mlp_cls, attention_cls):
+        super().__init__(env)
+        self.mlp_cls, self.attention_cls = mlp_cls, attention_cls
+
+    def data_parallel(self):
+        return 0, 1
+
+    def wrap_model(self, model):
+        model = model.to(self.env.device)
+        initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+        tp = self.env.world_size
+        tp_lib.apply_by_hand(model, dist.group.WORLD, self.mlp_cls, self.attention_cls, tp)
+        self.places = {name: tp_lib._by_hand_index(name, p, model, initial, dist.group.WORLD, tp)
+                       for name, p in model.named_parameters()}
+        self.sizes = {name: initial[name].shape for name in initial}
+        return model
+
+    def full_weights(self, model):
+        out = {}
+        for name, p in model.named_parameters():
+            place = self.places.get(name)
+            if place is None:
+                out[name] = p.detach()
+            else:
+                dim, index = place
+                out[name] = tp_lib.assembled(p.detach(), index, dim, self.sizes[name][dim], dist.group.WORLD,
+                                             self.env.world_size)
+        return out
+
+
+class DTensorTP(Strategy):
+    """Tensor parallelism over all ranks with PyTorch's DTensor plan (``tensor_parallel.apply_dtensor``): the
+    stand-in for lab 08's modules."""
+
+    name = "dtensor_tp"
+
+    def data_parallel(self):
+        return 0, 1
+
+    def wrap_model(self, model):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+        return tp_lib.apply_dtensor(model.to(self.env.device), mesh)
+
+    def full_weights(self, model):
+        return merge_qkv({name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                          for name, p in model.named_parameters()})

@@ -1,0 +1,293 @@
+"""Lab 11's harness: every strategy trains the course GPT under identical conditions; one table checks them all.
+
+    torchrun --standalone --nproc-per-node 4 -m lablib.runs.strategy_benchmark --quick --out strategies.json
+
+Every row (``ROWS``) builds the same GPT from the same seed, wraps it with its strategy
+(``lablib.parallel.strategies``: wrap_model, wrap_optimizer, forward_backward, sync_gradients, full_weights) and takes
+the same SGD-with-momentum steps on the same global batches of Tiny Shakespeare. Then, for each row:
+
+- correctness: the full weights (DTensors' ``full_tensor``, tensor-parallel shards put back, pipeline stages
+  gathered) against ``single``'s, which every rank trains alone: the largest difference, next to the bound
+  ``weight_bound`` derives from the arithmetic; and how far the ranks' full weights are apart (0.0: bit-identical);
+- memory on each rank, counted from storages in the last step (``lablib.measure.memory``): parameters, gradients,
+  optimizer state, buffers (anything else the wrapper keeps: DDP's buckets, lab 06's flat buffers in flight),
+  activations saved for the backward; on a GPU also ``torch.cuda.max_memory_allocated``;
+- collectives of the last step, by name, calls and bytes (``lablib.measure.counting``);
+- throughput: tokens/s, timed in turns with PyTorch's DDP (``rounds`` rounds, the first of the two alternating),
+  the median over rounds of the per-round ratio of median step times (slowest rank per step).
+
+The students' rows take their lab 11 ``YourDDP`` class (``--impl``) around lab 06's and lab 07's classes found in
+``--labs-dir``, or stand-ins where those files are missing (``lablib.parallel.strategy_rows``); ``--standins true``
+always uses the stand-ins (the grading run: no cascade from earlier labs).
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lablib.course import data
+from lablib.course.models import GPT, GPTConfig
+from lablib.jobs import script
+from lablib.jobs.exercise import load_module, require_file
+from lablib.measure import counting, memory, rankcheck, timing
+from lablib.parallel import strategies as S
+from lablib.parallel import strategy_rows as R
+
+YOURS = ("yours_individual", "yours_bucketed", "yours_individual_zero1", "yours_bucketed_zero1")
+ROWS = ("single", "torch_ddp", "torch_ddp_zero1", "fsdp2", *YOURS, "yours_tp", "fsdp2_x_tp", "pipeline_gpipe",
+        "control_sum_not_mean", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+DATA_PARALLEL = ("torch_ddp", "torch_ddp_zero1", "fsdp2", *YOURS, "control_sum_not_mean")
+
+
+@dataclass(frozen=True)
+class Config:
+    impl: str = "strategies_impl.py"   # the exercise file the notebook writes ("" : no rows of yours)
+    labs_dir: str = ".."               # where labs 06, 07 and 08 keep the students' files
+    standins: bool = False             # always use the stand-ins for labs 06-08 (grading)
+    rows: tuple[str, ...] = ROWS
+    quick: bool = False                # the source's --quick: fewer timing rounds
+    steps: int = 3
+    global_batch: int = 8              # sequences per step over all ranks
+    n_layer: int = 4                   # >= the pipeline's stages (one per rank)
+    n_head: int = 4
+    n_embd: int = 64
+    block_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    bucket_size_mb: float = 0.05       # lab 06's DDPBucketed: a few buckets for this small model
+    rounds: int = 5                    # paired timing rounds against torch DDP (3 with --quick; 0: none)
+    timed_steps: int = 2               # steps per side per round
+    seed: int = 0
+
+    def validate(self) -> None:
+        unknown = [r for r in self.rows if r not in ROWS]
+        if unknown or not self.rows:
+            raise ValueError(f"rows={self.rows!r}: unknown {unknown}; choose from {', '.join(ROWS)}")
+        if self.steps < 1 or self.rounds < 0 or self.timed_steps < 1:
+            raise ValueError(f"steps={self.steps} and timed_steps={self.timed_steps} must be >= 1, rounds >= 0")
+        if self.impl and any(r in YOURS for r in self.rows):
+            require_file(self.impl)
+
+    def validate_world(self, world_size: int) -> None:
+        if self.global_batch % world_size:
+            raise ValueError(f"global_batch={self.global_batch} does not split over {world_size} ranks")
+        if "pipeline_gpipe" in self.rows and world_size > self.n_layer:
+            raise ValueError(f"pipeline_gpipe puts one stage per rank: n_layer={self.n_layer} < {world_size} ranks")
+        if self.n_head % world_size and ("yours_tp" in self.rows):
+            raise ValueError(f"yours_tp splits n_head={self.n_head} heads over {world_size} ranks: choose a divisor")
+
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(block_size=self.block_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+
+    def hyper(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum}
+
+
+def global_batches(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same global batches (B, T) on every rank; strategies take their share (``Strategy.local_batch``)."""
+    _, dataset, _ = data.shakespeare_datasets(config.block_size)
+    rows = [[dataset[s * config.global_batch + i] for i in range(config.global_batch)] for s in range(config.steps)]
+    return [(torch.stack([x for x, _ in r]), torch.stack([y for _, y in r])) for r in rows]
+
+
+def build(row: str, env, config: Config, pieces, impl):
+    """The strategy of a row, and where its pieces came from."""
+    simple = {"single": S.Strategy, "torch_ddp": S.TorchDDP, "torch_ddp_zero1": S.TorchDDPZeRO1, "fsdp2": S.FSDP2,
+              "fsdp2_x_tp": S.FSDP2TP, "pipeline_gpipe": S.TorchPipeline, "control_sum_not_mean": S.SumNotMean}
+    if row == "single":
+        return _Alone(env), "PyTorch"
+    if row in simple:
+        return simple[row](env), "PyTorch"
+    if row == "yours_tp":
+        if pieces.tp is None:
+            return R.DTensorTP(env), pieces.source["tp"]
+        return R.ByHandTP(env, *pieces.tp), pieces.source["tp"]
+    bucketed = "bucketed" in row
+    ddp_cls = pieces.bucketed if bucketed else pieces.individual
+    kwargs = {"bucket_size_mb": config.bucket_size_mb} if bucketed else {}
+    opt = pieces.sharded_optimizer if row.endswith("zero1") else None
+    where = [pieces.source["bucketed" if bucketed else "individual"]]
+    where += [pieces.source["sharded_optimizer"]] if opt is not None else []
+    return impl.YourDDP(env, ddp_cls, kwargs, opt), "; ".join(where)
+
+
+class _Alone(S.Strategy):
+    """``single``: the whole batch in this process, world size 1 whatever the job's (every rank trains it)."""
+
+    def data_parallel(self):
+        return 0, 1
+
+
+def train(strategy, config: Config, batches, measure: bool = True) -> dict:
+    """The one loop. In the last step: what the rank holds, the activations saved, the collectives called."""
+    torch.manual_seed(config.seed)                      # the same initial weights in every row and on every rank
+    model = strategy.wrap_model(GPT(config.gpt()))
+    opt = strategy.wrap_optimizer(model, torch.optim.SGD, **config.hyper())
+    log, out = counting.CollectiveLog(), {"max_grad": 0.0}
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not isinstance(strategy, S.SumNotMean):
+        counting.count_ddp(model, log)
+    env = strategy.env
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    for i, (x, y) in enumerate(batches):
+        last = measure and i == len(batches) - 1
+        log.reset()
+        opt.zero_grad()
+        with counting.count_collectives(log), memory.SavedActivations(parameters_of=model) as saved:
+            strategy.forward_backward(model, x, y)
+            if last:
+                out["memory"] = held_bytes(strategy, model, opt, saved.bytes)
+            strategy.sync_gradients(model)
+            out["max_grad"] = max([out["max_grad"]] + [memory.local_tensor(p.grad).abs().max().item()
+                                                       for p in model.parameters() if p.grad is not None])
+            opt.step()
+    if measure:
+        out["collectives"] = {}
+        for c in log.calls:
+            entry = out["collectives"].setdefault(c.name, {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["bytes"] += c.bytes
+        if env.device.type == "cuda":
+            out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(env.device)
+    out["weights"] = strategy.full_weights(model)
+    out["model"], out["opt"] = model, opt
+    return out
+
+
+def held_bytes(strategy, model, opt, activation_bytes: int) -> dict:
+    """Storages this rank holds after the backward (before sync_gradients: lab 06's buckets still in flight), each
+    once, by kind; ``buffers``: the module's buffers and whatever else the wrapper and strategy keep."""
+    from lablib.probes.zero_held import reachable_tensors
+
+    kinds = strategy.held_tensors(model, opt)
+    counter = memory.StorageCounter()
+    out = {k: counter.add(kinds[k]) for k in ("params", "grads", "optimizer")}
+    extra = [t for obj in (model, strategy) for t, _ in reachable_tensors(obj, depth=4)]
+    out["buffers"] = counter.add([memory.local_tensor(t) for t in kinds["buffers"] + extra])
+    out["activations"] = activation_bytes
+    out["total"] = sum(out.values())
+    return out
+
+
+def weight_bound(config: Config, max_grad: float, max_weight: float, world_size: int) -> float:
+    """How far two rows' weights may end apart when they differ only in the order of floating-point sums.
+
+    SGD with momentum beta: w_T = w_0 - lr sum_t v_t, v_t = beta v_(t-1) + g_t, so a gradient difference dg_s moves
+    w_T by at most lr dg_s (1 + beta + beta^2 + ...) < lr dg_s / (1 - beta): ``rankcheck.sgd_rounding_bound`` at
+    the effective rate lr / (1 - beta). Longest sum: a weight gradient adds B*T token terms, and a split matrix
+    product (tensor parallel) adds 4 n_embd terms in another grouping: gamma_(B T + 4 n_embd) bounds both
+    (gamma_a + gamma_b <= gamma_(a+b)). The momentum buffer's own rounding (a product and a sum per step, |v| <=
+    max|g| / (1 - beta)) adds 2 u max|g| / (1 - beta) per step at the same rate.
+    """
+    lr_eff = config.lr / (1 - config.momentum)
+    longest = config.global_batch * config.block_size + 4 * config.n_embd
+    u = rankcheck.FP32_UNIT_ROUNDOFF
+    return (rankcheck.sgd_rounding_bound(config.steps, lr_eff, longest, max_grad, max_weight)
+            + config.steps * lr_eff * 2 * u * max_grad / (1 - config.momentum))
+
+
+def paired(env, config: Config, rounds: int, row, baseline, batches) -> dict:
+    """The row and torch DDP in turns, ``timed_steps`` steps each per round, who goes first alternating; per round
+    the ratio of the two median step times (each step the slowest rank's); the median ratio is the figure."""
+    results = []
+    for r in range(rounds):
+        order = [("row", row), ("ddp", baseline)] if r % 2 == 0 else [("ddp", baseline), ("row", row)]
+        times = {}
+        for key, (strategy, trained) in order:
+            per_step = []
+            for x, y in batches[:config.timed_steps]:
+                timing.barrier(env.device)
+                with timing.stopwatch(per_step, env.device):
+                    trained["opt"].zero_grad()
+                    strategy.forward_backward(trained["model"], x, y)
+                    strategy.sync_gradients(trained["model"])
+                    trained["opt"].step()
+            times[key] = timing.median(timing.slowest_rank(per_step, env.device))
+        results.append({**times, "ratio": times["row"] / times["ddp"]})
+    return {"rounds": results, "ratio_to_ddp": timing.median([r["ratio"] for r in results]) if results else None}
+
+
+def compare(env, weights: dict, reference: dict) -> dict:
+    """Largest |w - w_single| over every parameter (the tied head's pipeline copy against wte), the ranks' spread."""
+    missing = sorted(set(reference) - set(weights))
+    if missing:
+        return {"error": f"full_weights lacks {missing[:3]}{'...' if len(missing) > 3 else ''}"}
+    diff = 0.0
+    for name, w in weights.items():
+        ref = reference["wte.weight" if name == "lm_head_copy.weight" else name]
+        if w.shape != ref.shape:
+            return {"error": f"full_weights[{name!r}] has shape {tuple(w.shape)}, the model's is {tuple(ref.shape)}"}
+        diff = max(diff, (w.float().cpu() - ref.float().cpu()).abs().max().item())
+    flat = torch.cat([weights[n].detach().float().flatten() for n in sorted(weights)]).to(env.device)
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return {"max_abs_diff": diff, "rank_spread": (hi - lo).abs().max().item()}
+
+
+def run(env, config: Config) -> dict:
+    rounds = min(config.rounds, 3) if config.quick else config.rounds
+    config_used = {**vars(config), "rounds": rounds}
+    batches = global_batches(config)
+    impl = None
+    if config.impl and any(r in YOURS for r in config.rows):
+        impl = load_module(config.impl, ("YourDDP",))
+    pieces, source = R.lab_modules(config.labs_dir, config.standins)
+    pieces.source = source
+    reference = train(_Alone(env), config, batches, measure=True)
+    max_weight = max(w.abs().max().item() for w in reference["weights"].values())
+    bound = weight_bound(config, reference["max_grad"], max_weight, env.world_size)
+    baseline = (S.TorchDDP(env), train(S.TorchDDP(env), config, batches, measure=False)) if rounds else None
+    table = {}
+    for i, row in enumerate(config.rows):
+        entry = _row(env, config, row, pieces, impl, batches, reference, baseline, rounds)
+        entry["within_bound"] = ("max_abs_diff" in entry and entry["max_abs_diff"] <= bound
+                                 and (row not in DATA_PARALLEL or entry["rank_spread"] == 0.0))
+        table[row] = entry
+        script.progress(env, i + 1, len(config.rows), row=row)
+    dist.barrier()
+    return {"rows": table, "bound": bound, "max_grad": reference["max_grad"], "max_weight": max_weight,
+            "world_size": env.world_size, "config": config_used, "n_params": sum(
+                p.numel() for p in GPT(config.gpt()).parameters()),
+            "tokens_per_step": config.global_batch * config.block_size,
+            "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
+                        "processor": platform.processor() or platform.machine(), "backend": env.backend,
+                        "device": str(env.device), "threads_per_rank": torch.get_num_threads()}}
+
+
+def _row(env, config, row, pieces, impl, batches, reference, baseline, rounds) -> dict:
+    if row.startswith("deepspeed"):
+        return {"skipped": "DeepSpeed is not installed with the course (optional row): see the notebook's note"}
+    if row in YOURS and impl is None:
+        return {"skipped": "exercise 1 (strategies_impl.py) is not written yet"}
+    try:
+        strategy, source = build(row, env, config, pieces, impl)
+        trained = train(strategy, config, batches)
+    except Exception as exc:            # noqa: BLE001 - one broken row must not stop the table
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    memory_per_rank = rankcheck.gather_objects(trained["memory"], env)
+    entry = {"source": source, **compare(env, trained["weights"], reference["weights"]),
+             "memory_per_rank": memory_per_rank, "collectives": trained["collectives"]}
+    if rounds and baseline is not None:
+        entry.update(paired(env, config, rounds, (strategy, trained), baseline, batches))
+        ddp_s = timing.median([r["ddp"] for r in entry["rounds"]])
+        entry["tokens_per_s"] = config.global_batch * config.block_size / (ddp_s * entry["ratio_to_ddp"])
+    return entry
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if "--quick" in argv:               # the source's bare flag
+        i = argv.index("--quick")
+        if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+            argv.insert(i + 1, "true")
+    script.main(Config, run, argv)
+
+
+if __name__ == "__main__":
+    main()
