@@ -1,0 +1,62 @@
+"""Lab 11's library pieces without a process group: the bound, q/k/v merged back, the stand-ins' validation, DTensor's
+shard layout as the exercise's probe makes it, and the planner's reference on cases worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from instructor.references import strategy_planner as planner
+from lablib.measure import rankcheck
+from lablib.parallel.strategies import merge_qkv
+from lablib.probes.strategy_shards import dtensor_shards
+from lablib.runs.strategy_benchmark import Config, weight_bound
+
+
+def test_weight_bound_is_the_momentum_scaled_sgd_bound():
+    c = Config()
+    u = rankcheck.FP32_UNIT_ROUNDOFF
+    lr_eff = c.lr / (1 - c.momentum)
+    n = c.global_batch * c.block_size + 4 * c.n_embd
+    expected = c.steps * (lr_eff * rankcheck.gamma(n) * 0.5 + 2 * u * 1.0 + lr_eff * 2 * u * 0.5 / (1 - c.momentum))
+    assert weight_bound(c, 0.5, 1.0, 2) == pytest.approx(expected, rel=1e-12)
+    # a gradient summed instead of averaged moves the weights by about lr * |g|: far outside the bound
+    assert c.lr * 0.5 > 100 * weight_bound(c, 0.5, 1.0, 2)
+
+
+def test_merge_qkv_puts_q_k_v_back_in_order():
+    q, k, v = torch.full((2, 3), 1.0), torch.full((2, 3), 2.0), torch.full((2, 3), 3.0)
+    merged = merge_qkv({"h.0.attn.c_attn.q.weight": q, "h.0.attn.c_attn.k.weight": k, "h.0.attn.c_attn.v.weight": v,
+                        "wte.weight": torch.zeros(1)})
+    assert set(merged) == {"h.0.attn.c_attn.weight", "wte.weight"}
+    assert torch.equal(merged["h.0.attn.c_attn.weight"], torch.cat([q, k, v]))
+
+
+@pytest.mark.parametrize("rows, n, sizes", [(65, 4, [17, 17, 17, 14]), (5, 4, [2, 2, 1, 0]), (8, 2, [4, 4])])
+def test_dtensor_shards_follow_torch_chunk(rows, n, sizes):
+    shards = dtensor_shards(torch.arange(rows * 2.0).view(rows, 2), (n,), (Shard(0),))
+    assert [shards[(i,)].shape[0] for i in range(n)] == sizes
+    assert torch.equal(torch.cat([shards[(i,)] for i in range(n)]), torch.arange(rows * 2.0).view(rows, 2))
+
+
+def test_dtensor_shards_nest_on_a_2d_mesh():
+    full = torch.arange(7.0)
+    shards = dtensor_shards(full, (2, 2), (Shard(0), Shard(0)))      # 4 + 3 rows, then 2 + 2 and 2 + 1
+    assert [shards[c].tolist() for c in ((0, 0), (0, 1), (1, 0), (1, 1))] == [[0, 1], [2, 3], [4, 5], [6]]
+    replicated = dtensor_shards(full, (2,), (Replicate(),))
+    assert all(torch.equal(s, full) for s in replicated.values())
+
+
+def test_planner_reference_on_a_case_worked_by_hand():
+    model = {"params": 1e9, "layers": 4, "hidden": 1024, "heads": 8, "seq": 512, "batch": 8}
+    cluster = {"gpus": 4, "gpus_per_node": 4, "memory_bytes": 80e9, "flops": 1e14, "bw_intra": 1e11, "bw_inter": 1e10}
+    ddp = planner.predict(model, cluster, 4, 0, 1, 1)
+    assert ddp["states_bytes"] == 16e9                                  # 16 bytes per parameter on every GPU
+    assert planner.predict(model, cluster, 4, 3, 1, 1)["states_bytes"] == 4e9
+    assert planner.predict(model, cluster, 4, 1, 1, 1)["states_bytes"] == 1e9 * (4 + 12 / 4)
+    assert ddp["dp_comm_s"] == pytest.approx(2 * 3 / 4 * 2e9 / 1e11)   # ring all-reduce of fp16 gradients
+    assert ddp["compute_s"] == pytest.approx(6 * 1e9 * 8 * 512 / (4 * 1e14))
+    with pytest.raises(ValueError):
+        planner.predict(model, cluster, 2, 0, 3, 1)                    # 2 * 3 != 4 GPUs
+    assert planner.best_time(model, dict(cluster, memory_bytes=1e6)) is None
