@@ -20,6 +20,7 @@ from lablib import checks
 from lablib.jobs import launch
 from lablib.parallel import pipeline
 from lablib.probes import pipeline as pipeline_probes
+from lablib.probes import pipeline_rehearsal
 from lablib.jobs import config as cfg
 from lablib.course.models import GPT, GPTConfig
 from lablib.runs import pipeline as pipeline_run
@@ -236,6 +237,38 @@ def test_probe_catches_a_missing_loss_scale(tmp_path):
     with pytest.raises(checks.CheckFailed, match="gradients"):
         for r in pipeline_probes.probe_without_processes(engine, {"gpipe:1:3": ["F0 F1 F2 B0 B1 B2"]}):
             pipeline_probes.check_engine(r)
+
+
+def test_rehearsal_on_threads_passes_a_correct_engine_and_names_a_deadlock(tmp_path):
+    cases = {**EXAMPLE, "1f1b:3:2": pipeline_ref.schedule("1f1b", 3, 2), "1f1b:2:1": pipeline_ref.schedule("1f1b", 2, 1)}
+    good = pipeline_probes.load_engine(write_engine(tmp_path / "good.py"))
+    results = pipeline_rehearsal.rehearse(good, cases)
+    pipeline_rehearsal.check_rehearsal(results)
+    assert [r["case"] for r in results] == list(cases)
+    assert results[1]["ran"] == [[["F", 0], ["F", 1], ["B", 0], ["F", 2], ["B", 1], ["B", 2]],
+                                 [["F", 0], ["B", 0], ["F", 1], ["B", 1], ["F", 2], ["B", 2]]]
+    bad = pipeline_probes.load_engine(write_engine(tmp_path / "bad.py", blocking=True))
+    results = pipeline_rehearsal.rehearse(bad, cases)
+    pipeline_rehearsal.check_rehearsal(results[:1])          # GPipe's sends go one way at a time: no cycle
+    with pytest.raises(checks.CheckFailed, match="rank 0 waits for its send to rank 1; rank 1 waits for its send"):
+        pipeline_rehearsal.check_rehearsal(results[1:2])
+    assert not torch.distributed.is_initialized() and torch.distributed.send is not None
+
+
+def test_rehearsal_catches_a_wrong_gradient_and_steps_aside_for_names_bound_before(tmp_path):
+    source = ENGINE.replace("SEND", "dist.isend").replace("                g = torch.zeros(activation_shape)\n"
+                                                          "                dist.irecv(g, me + 1).wait()\n",
+                                                          "                g = torch.zeros(activation_shape)\n"
+                                                          "                dist.irecv(g, me + 1).wait()\n"
+                                                          "                g = 2 * g\n")
+    (tmp_path / "twice.py").write_text(source)
+    with pytest.raises(checks.CheckFailed, match="gradients"):
+        pipeline_rehearsal.check_rehearsal(pipeline_rehearsal.rehearse(
+            pipeline_probes.load_engine(str(tmp_path / "twice.py")), EXAMPLE))
+    bound = ENGINE.replace("import torch, torch.distributed as dist", "import torch, torch.distributed as dist\n"
+                           "from torch.distributed import irecv").replace("dist.irecv(", "irecv(").replace("SEND", "dist.isend")
+    (tmp_path / "bound.py").write_text(bound)
+    assert pipeline_rehearsal.rehearse(pipeline_probes.load_engine(str(tmp_path / "bound.py")), EXAMPLE) is None
 
 
 def test_config_is_strict():
