@@ -87,17 +87,19 @@ def _diff(a, b) -> float:
         return 0.0 if other is None or not other.detach().abs().max().item() else float("inf")
     if a.shape != b.shape:
         return float("inf")
-    return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
+    return (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item() if a.numel() else 0.0
 
 
-def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2) -> dict:
+def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2, device=None) -> dict:
     """One case on this rank: {"error", "steps": [per step: diffs, bounds, rows per local expert, wanted rows,
-    collectives], ...}. The student's exceptions are recorded, not raised (the other ranks then stop waiting)."""
+    collectives], ...}. The student's exceptions are recorded, not raised (the other ranks then stop waiting).
+    ``device``: where the rank's tensors and experts live (its GPU under nccl, which has no CPU tensors); the
+    float64 reference stays on the CPU."""
     k, dtype, _ = CASES[case]
     num_experts = EXPERTS_PER_RANK * world_size
     mine = range(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
     reference = experts_for(num_experts, torch.float64)
-    local = nn.ModuleList(copy.deepcopy(experts_for(num_experts, dtype)[e]) for e in mine)
+    local = nn.ModuleList(copy.deepcopy(experts_for(num_experts, dtype)[e]) for e in mine).to(device or "cpu")
     u = UNIT_ROUNDOFF[dtype]
     total_tokens = sum(tokens_on(r) for r in range(world_size))
     rounding = gamma(N_EMBD + 4 * N_EMBD + total_tokens + k + 8, u)
@@ -106,7 +108,7 @@ def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2) ->
     try:
         for step in range(steps):
             data = routing(case, world_size, num_experts, step)
-            x, index, gates, w = data[rank]
+            x, index, gates, w = (t.to(device or "cpu") for t in data[rank])
             x_in, gates_in = x.clone().requires_grad_(), gates.clone().requires_grad_()
             index_in, kept = index.clone(), (x.clone(), index.clone(), gates.clone())
             rows = [0] * len(local)
@@ -122,8 +124,8 @@ def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2) ->
                 h.remove()
             # the reference: every rank's tokens through the float64 experts, this rank's output and gradients
             reference.zero_grad()
-            ref_x = x.double().requires_grad_()
-            ref_gates = gates.double().requires_grad_()
+            ref_x = x.detach().cpu().double().requires_grad_()
+            ref_gates = gates.detach().cpu().double().requires_grad_()
             ref_y = None
             for r, (xr, ir, gr, wr) in enumerate(data):
                 if r == rank:
@@ -131,7 +133,7 @@ def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2) ->
                     (ref_y * wr.double()).sum().backward()
                 else:
                     (combine_in_one_process(xr.double(), ir, gr.double(), reference) * wr.double()).sum().backward()
-            wanted_rows = [sum(int((d[1] == e).sum()) for d in data) for e in mine]
+            wanted_rows = [sum(int((d[1] == e).sum()) for d in data) for e in mine]      # data: on the CPU
             scale = max(ref_y.abs().max().item() if ref_y.numel() else 0.0, 1.0)
             grads = {f"expert {e} {name}": (p.grad, dict(reference[e].named_parameters())[name].grad)
                      for e, expert in zip(mine, local) for name, p in expert.named_parameters()}

@@ -48,16 +48,18 @@ def _grads(case: str, rank: int, kind: str) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen).to(CASES[case]) for shape in SHAPES[kind]]
 
 
-def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group) -> dict:
+def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group, device=None) -> dict:
+    """``device``: where the parameters and gradients live (the rank's GPU under nccl)."""
     world = dp * ep
+    device = device or torch.device("cpu")
     dtype = CASES[case]
     record = {"case": case, "rank": rank, "mesh": f"{dp}x{ep}", "error": None}
     try:
-        params = {kind: [torch.nn.Parameter(torch.full(s, float(i + 1), dtype=dtype)) for i, s in enumerate(SHAPES[kind])]
-                  for kind in SHAPES}
+        params = {kind: [torch.nn.Parameter(torch.full(s, float(i + 1), dtype=dtype, device=device))
+                         for i, s in enumerate(SHAPES[kind])] for kind in SHAPES}
         for kind in SHAPES:
             for p, g in zip(params[kind], _grads(case, rank, kind)):
-                p.grad = g.clone()
+                p.grad = g.to(device)
         if case == "frozen":
             params["expert"][1].requires_grad_(False)
             params["expert"][1].grad = None
@@ -78,7 +80,7 @@ def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group) -
                 want = stacked.sum(0) / world
                 got = p.grad
                 ok = got is not None and got.shape == want.shape and got.dtype == dtype
-                diffs[name] = (got.double() - want).abs().max().item() if ok else float("inf")
+                diffs[name] = (got.cpu().double() - want).abs().max().item() if ok else float("inf")
                 bounds[name] = gamma(world + 1, UNIT_ROUNDOFF[dtype]) * stacked.abs().sum(0).max().item() / world
                 record.setdefault("in_place", []).append(got is not None and got.data_ptr() == held[kind][i].data_ptr())
         record.update(diffs=diffs, bounds=bounds,

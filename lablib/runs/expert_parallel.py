@@ -65,7 +65,7 @@ def run(env, config: Config) -> dict:
         group = dist.group.WORLD
         for case in config.checked_cases():
             records += gather_objects(ep_dispatch.probe(impl, case, env.rank, env.world_size, group,
-                                                        steps=config.steps), env)
+                                                        steps=config.steps, device=env.device), env)
             dist.barrier()
     else:
         dp, ep = ep_grads.parse_mesh(config.mesh)
@@ -73,7 +73,7 @@ def run(env, config: Config) -> dict:
         groups = [dist.new_group(ranks) for ranks in dp_groups]     # every rank creates every group, in order
         for case in config.checked_cases():
             records += gather_objects(ep_grads.probe(impl, case, env.rank, dp, ep, groups[env.rank % ep],
-                                                     dist.group.WORLD), env)
+                                                     dist.group.WORLD, device=env.device), env)
             dist.barrier()
     return {"records": records if env.is_main else []}
 
