@@ -78,6 +78,22 @@ def test_probe_sees_overlap_and_the_tied_weight_once(tmp_path):
         assert r["world_size"] == 1 and r["steps_recorded"]
 
 
+def test_probe_without_processes_checks_each_case_as_it_ends(tmp_path):
+    """With check, the first wrong case ends the probe (later cases are not run) and the group of one is gone."""
+    import torch.distributed as dist
+
+    impl, _ = _impl(tmp_path, AFTER_BACKWARD, "after_check_impl.py")
+    seen = []
+
+    def check(r):
+        seen.append(r["case"])
+        ddp_probes.check_probe(r, "individual")
+
+    with pytest.raises(AssertionError, match="overlap"):
+        ddp_probes.probe_without_processes(impl, "individual", ("mlp", "tied", "frozen"), check=check)
+    assert seen == ["mlp"] and not dist.is_initialized()
+
+
 def test_probe_fails_an_all_reduce_after_backward(tmp_path):
     impl, _ = _impl(tmp_path, AFTER_BACKWARD, "after_impl.py")
     r = ddp_probes.probe_without_processes(impl, "individual", ("mlp",))[0]

@@ -259,15 +259,20 @@ def probe_case(impl, wrapper: str, case_name: str, env, group=None, steps: int |
     return out
 
 
-def probe_without_processes(impl, wrapper: str, cases=("mlp", "tied", "unused")) -> list[dict]:
+def probe_without_processes(impl, wrapper: str, cases=("mlp", "tied", "unused"), check=None) -> list[dict]:
     """probe_case at world size 1 in this process (a gloo group of one, torn down after): a quick look
-    before a real run, never a replacement for it."""
+    before a real run, never a replacement for it. ``check(result)``, if given, runs after each case."""
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
-        return [probe_case(impl, wrapper, case, env, steps=2) for case in cases]
+        out = []
+        for case in cases:
+            out.append(probe_case(impl, wrapper, case, env, steps=2))
+            if check is not None:
+                check(out[-1])     # the first wrong case ends it
+        return out
     finally:
         if owned:
             dist.destroy_process_group()

@@ -2,7 +2,12 @@
 
 Most are the solution's own cell with one mistake put in (``_changed`` checks that the text it replaces is
 there, so a change to the solution cannot silently turn a wrong answer into the right one); the red team's,
-written from the released notebook alone, come from ``redteam_06_ddp_from_scratch.py`` beside this file.
+written from the released notebook alone, come from ``redteam_06_ddp_from_scratch.py`` beside this file. Where one
+of ours made the same mistake as one of the red team's, caught by the same check, the red team's is kept (ours
+dropped: broadcasting the trainable parameters only; all-reduces started in finish_gradient_synchronization; a tied
+weight hooked twice; a bucket that may not reach the cap; buckets launched as they complete, not in index order (the
+red team's old-contract answers); buckets in registration order; bookkeeping never reset; every bucket launched in
+finish_gradient_synchronization).
 """
 
 from __future__ import annotations
@@ -25,33 +30,14 @@ def _red(exercise: str, answers) -> list[tuple[str, str]]:
     return [(f"red team: {description}", source) for description, source in answers[exercise]]
 
 
-_HOOK_LOOP = '''        for param in module.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._grad_ready)'''
-
 _MARK_UNUSED = '''        if torch.is_grad_enabled():                        # unused parameters are ready now: no hook will come
             reached = reached_parameters(output)
             for i, p in enumerate(self.params):
                 if id(p) not in reached:
                     self._mark_ready(i)
 '''
-_IN_ORDER = '''        while self.next_bucket < len(self.buckets) and self.waiting[self.next_bucket] == 0:
-            self._launch(self.next_bucket)
-            self.next_bucket += 1
-'''
-
 WRONG_ANSWERS = {
     "ddp_individual": [
-        ("broadcasts only the trainable parameters (frozen ones and buffers keep each rank's own values)", _changed(
-            "ddp_individual", ("for tensor in [*module.parameters(), *module.buffers()]:",
-                               "for tensor in [p for p in module.parameters() if p.requires_grad]:"))),
-        ("all-reduces after the backward, in finish_gradient_synchronization: right numbers, no overlap", _changed(
-            "ddp_individual", (_HOOK_LOOP, "        pass"),
-            ("        for handle in self.handles:",
-             "        for param in self.module.parameters():\n"
-             "            if param.grad is not None:\n"
-             "                self._grad_ready(param)\n"
-             "        for handle in self.handles:"))),
         ("launches every all-reduce from the last hook (the first parameter's): async, before backward() returns, "
          "but nothing overlaps", _changed(
             "ddp_individual",
@@ -64,25 +50,15 @@ WRONG_ANSWERS = {
              "            if p.grad is not None:\n"
              "                p.grad.div_(self.world_size)\n"
              "                self.handles.append(dist.all_reduce(p.grad, async_op=True))\n"))),
-        ("hooks registered per module (recurse=False): a tied weight is all-reduced twice", _changed(
-            "ddp_individual", ("        for param in module.parameters():\n            if param.requires_grad:",
-                               "        for param in [p for m in module.modules() for p in m.parameters(recurse=False)]:\n"
-                               "            if param.requires_grad:"))),
         *_red("ddp_individual", _redteam.WRONG_ANSWERS),
     ],
     "assign_buckets": [
-        ("a bucket may not reach the cap exactly (>= instead of >)", _changed(
-            "assign_buckets", ("if current and filled + size > cap:", "if current and filled + size >= cap:"))),
         ("after a parameter larger than the cap, the next ones join its bucket", _changed(
             "assign_buckets", ("        current.append(i)\n        filled += size\n",
                                "        current.append(i)\n        filled += size if size <= cap else 0\n"))),
         *_red("assign_buckets", _redteam.WRONG_ANSWERS),
     ],
     "ddp_bucketed": [
-        ("launches each bucket when it is complete, not in index order (the old contract's solution)", _changed(
-            "ddp_bucketed", (_IN_ORDER, "        if self.waiting[self.bucket_of[i]] == 0:\n"
-                                        "            self._launch(self.bucket_of[i])\n"
-                                        "            self.next_bucket += 1\n"))),
         ("marks unused parameters only at the end of the backward, in finish: the first bucket (the parameters "
          "registered last) holds back every other", _changed(
             "ddp_bucketed", (_MARK_UNUSED, ""),
@@ -95,22 +71,10 @@ WRONG_ANSWERS = {
         ("zeros for a parameter no rank used (.grad set even where DDP leaves None)", _changed(
             "ddp_bucketed", ("                if used[i] > 0:                              # no rank used it: .grad stays None, as in DDP\n",
                              "                if True:\n"))),
-        ("buckets filled in forward (registration) order", _changed(
-            "ddp_bucketed", ("self.params = [p for p in reversed(list(module.parameters())) if p.requires_grad]",
-                             "self.params = [p for p in module.parameters() if p.requires_grad]"))),
-        ("every bucket all-reduced in finish_gradient_synchronization: right numbers, no overlap", _changed(
-            "ddp_bucketed", (_IN_ORDER, ""),
-            ("        if self.next_bucket < len(self.buckets):\n",
-             "        while self.next_bucket < len(self.buckets):\n"
-             "            self._launch(self.next_bucket)\n"
-             "            self.next_bucket += 1\n"
-             "        if self.next_bucket < len(self.buckets):\n"))),
         ("waits for each bucket inside the hook that launched it", _changed(
             "ddp_bucketed", ("        self.in_flight.append((flat.div_(self.world_size), dist.all_reduce(flat, async_op=True)))\n",
                              "        self.in_flight.append((flat.div_(self.world_size), dist.all_reduce(flat, async_op=True)))\n"
                              "        self.in_flight[-1][1].wait()\n"))),
-        ("not ready for the next step: the bookkeeping is never reset", _changed(
-            "ddp_bucketed", ("                offset += p.numel()\n        self._new_step()\n", "                offset += p.numel()\n"))),
         ("ignores assign_buckets: one bucket per parameter", _changed(
             "ddp_bucketed", ("self.buckets = assign_buckets([p.numel() * p.element_size() for p in self.params], bucket_size_mb)",
                              "self.buckets = [[i] for i in range(len(self.params))]"))),
