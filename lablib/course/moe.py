@@ -169,7 +169,7 @@ def train_in_one_process(model: GPT, train_set, steps: int, batch_size: int, lr:
         x, y = (torch.stack(t) for t in zip(*(train_set[i] for i in rows)))
         _, loss = model(x, y)
         aux = aux_loss_of(model)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()                      # torch 2: grads set to None
         (loss + aux if use_aux_loss else loss).backward()
         optimizer.step()
         history["loss"].append(loss.item())
