@@ -4,12 +4,16 @@ real ranks, and the idle time of the contiguous and zigzag splits measured.
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.context_parallel --exercise ring_forward \\
         --impl cp_ring_impl.py --cases causal,shuffled --out out.json
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.context_parallel --exercise idle \\
-        --impl cp_split_impl.py --seq-len 1024 --out out.json
+        --impl cp_split_impl.py --seq_len 1024 --out out.json
 
 Checking (``ring_forward``, ``ring_backward``, ``ulysses``): every rank runs lablib.probes.cp_ring's (or cp_ulysses')
 probe on each case and rank 0 gathers the records, [case][rank]. ``idle``: one causal ring pass per split
 (lablib.measure.cp_idle), the contiguous split and the zigzag split of the students' ``zigzag_positions``
 (``impl``), after a barrier; each rank's compute seconds, span and pairs per step, gathered.
+
+The tensors live on the CPU and travel through gloo on every machine (on GPUs the default group is NCCL, and a
+gloo group is made next to it, as lab 02 does): gloo's send/recv take CPU tensors only, and one backend keeps the
+counts and times comparable; the check sizes are far too small for a GPU to matter.
 """
 
 from __future__ import annotations
@@ -53,26 +57,27 @@ class Config:
 
 def run(env, config: Config) -> dict:
     module = exercise.load_module(config.impl, EXERCISES[config.exercise])
-    comm = CountingComm(env.rank, env.world_size)
+    group = dist.group.WORLD if env.backend == "gloo" else dist.new_group(backend="gloo")
+    comm = CountingComm(env.rank, env.world_size, group=None if env.backend == "gloo" else group)
     if config.exercise == "idle":
         splits = {"contiguous": contiguous_positions(config.seq_len, env.world_size),
                   "zigzag": module.zigzag_positions(config.seq_len, env.world_size)}
         result = {}
         for name, positions in splits.items():
             cp_idle.timed_ring(comm, positions, 1, config.n_head, config.head_dim, 1, config.seed)   # warm-up
-            dist.barrier()
+            dist.barrier(group=group)
             rows = cp_idle.timed_ring(comm, positions, 1, config.n_head, config.head_dim, config.repeats, config.seed)
-            result[name] = gather_objects(rows, env)
+            result[name] = gather_objects(rows, env, group)
         return {"idle": result}
     cases = config.cases or (tuple(cp_ulysses.CASES) if config.exercise == "ulysses" else tuple(cp_ring.CASES))[:1]
     records = {}
     for i, case in enumerate(cases):
         if config.exercise == "ulysses":
-            record = cp_ulysses.probe_ulysses(module, dist.group.WORLD, case, config.seed)
+            record = cp_ulysses.probe_ulysses(module, group, case, config.seed)
         else:
             comm.reset()
             record = cp_ring.probe_ring(module, config.exercise, comm, case, config.seed)
-        records[case] = gather_objects(record, env)
+        records[case] = gather_objects(record, env, group)
         script.progress(env, i + 1, len(cases))
     return {"records": records}
 

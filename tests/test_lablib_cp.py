@@ -1,0 +1,137 @@
+"""Lab 12's library parts against references: the activation and byte formulas, the counted idle fraction, the
+rounding bound (a correct fp32 attention lies inside it, a wrong one far outside), the overlap recorder, the thread
+all-to-all, and the run script's refusals. All in one process, in seconds."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from lablib.course import cp_model
+from lablib.jobs import config as cfg
+from lablib.measure.memory import SavedActivations
+from lablib.probes import cp_ring, cp_ulysses, rehearsal
+from lablib.probes.cp_events import OverlapComm
+from lablib.probes.ring_rehearsal import run_in_threads
+from lablib.runs import context_parallel
+
+
+@pytest.mark.parametrize("q_len,k_len,causal", [(32, 32, True), (8, 32, True), (16, 16, False)])
+def test_saved_bytes_formula_equals_measured(q_len, k_len, causal):
+    q = torch.randn(2, 3, q_len, 8, requires_grad=True)
+    k, v = (torch.randn(2, 3, k_len, 8, requires_grad=True) for _ in range(2))
+    with SavedActivations() as saved:
+        cp_model.unfused_attention(q, k, v, causal, q_positions=torch.arange(k_len - q_len, k_len))
+    assert saved.bytes == cp_model.saved_bytes_formula(2, 3, q_len, k_len, 8, 4, causal)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_contiguous_idle_fraction_counted_near_formula(world_size):
+    counted = cp_model.idle_fraction(cp_model.causal_pairs_per_step(cp_model.contiguous_positions(4096, world_size)))
+    assert abs(counted - (world_size - 1) / (2 * world_size - 1)) <= 2 * world_size / 4096
+
+
+def test_idle_fraction_zero_when_balanced_and_pairs_add_up():
+    work = cp_model.causal_pairs_per_step(cp_model.contiguous_positions(100, 4))
+    assert sum(map(sum, work)) == 100 * 101 // 2                  # every causal pair exactly once
+    assert cp_model.idle_fraction([[3, 3], [5, 5]]) == 0.0
+
+
+def test_ring_and_ulysses_bytes():
+    for n in (2, 4, 8):
+        ring = cp_model.ring_bytes_per_rank(1, 32, 4096, 128, n, 2)
+        ulysses = cp_model.ulysses_bytes_per_rank(1, 32, 4096, 128, n, 2)
+        assert ring / ulysses == pytest.approx(n / 2, rel=1e-12)
+    assert cp_model.ring_bytes_per_rank(1, 32, 4096, 128, 1, 2) == 0
+
+
+def test_shuffled_split_is_an_uneven_partition():
+    for n in (2, 3, 4):
+        positions = cp_ring.split_positions(cp_ring.CASES["shuffled"], n, seed=0)
+        assert torch.equal(torch.cat(positions).sort().values, torch.arange(cp_ring.CASES["shuffled"]["T"]))
+        assert len({len(p) for p in positions}) > 1
+
+
+@pytest.mark.parametrize("case", ["causal", "large_logits", "float64", "noncausal"])
+def test_bound_holds_for_fp32_attention_and_catches_a_small_error(case):
+    spec = cp_ring.CASES[case]
+    full = cp_ring.full_inputs(spec, seed=3)
+    ref = cp_ring.reference(full, spec["causal"])
+    bounds = cp_ring.error_bounds(full, ref, spec["causal"], cp_ring.UNIT_ROUNDOFF[spec["dtype"]], 4)
+    got = cp_model.unfused_attention(full["q"], full["k"], full["v"], spec["causal"])   # in the case's own dtype
+    ratio = ((got.double() - ref["out"]).abs() / bounds["out"]).max().item()
+    assert ratio < 1
+    wrong = got.double() + 1e-3 * ref["out"].abs().max()
+    assert ((wrong - ref["out"]).abs() / bounds["out"]).max().item() > 1
+
+
+def test_overlap_comm_counts_products_between_post_and_wait():
+    def ring(comm, overlap):
+        comm = OverlapComm(comm)
+        x, buf = torch.ones(4, 4), torch.empty(4, 4)
+        with comm.watching():
+            if overlap:
+                works = [comm.isend(x, (comm.rank + 1) % 2), comm.irecv(buf, (comm.rank - 1) % 2)]
+                x @ x
+            else:
+                x @ x
+                works = [comm.isend(x, (comm.rank + 1) % 2), comm.irecv(buf, (comm.rank - 1) % 2)]
+            for w in works:
+                w.wait()
+        return comm.overlapped_receives()
+
+    assert run_in_threads(2, lambda c: ring(c, True)) == [1, 1]
+    assert run_in_threads(2, lambda c: ring(c, False)) == [0, 0]
+
+
+def test_blocking_sends_facing_each_other_fail_fast():
+    def blocking(comm):
+        x = torch.ones(3)
+        comm.send(x, (comm.rank + 1) % 2)
+        comm.recv(x, (comm.rank - 1) % 2)
+
+    start = time.perf_counter()
+    with pytest.raises(rehearsal.RehearsalDeadlock):
+        run_in_threads(2, blocking, timeout_s=30)
+    assert time.perf_counter() - start < 5
+
+
+def test_thread_all_to_all_is_a_transpose_of_pieces():
+    class Swap:   # the all-to-all by hand: rank r's piece j goes to rank j, pieces received in rank order
+        @staticmethod
+        def seq_to_head(x, group):
+            import torch.distributed as dist
+            out = torch.empty_like(x)
+            dist.all_to_all_single(out, x.contiguous(), group=group)
+            return out
+
+    world = rehearsal._World(3, 5)
+    logs = [[] for _ in range(3)]
+    fakes = rehearsal._fake_functions(world)
+    fakes.update(cp_ulysses._all_to_all_fakes(world, logs))
+    results = [None] * 3
+
+    def body(rank):
+        rehearsal._local.rank = rank
+        results[rank] = Swap.seq_to_head(torch.arange(3.0) + 10 * rank, None)
+
+    import threading
+    with rehearsal._patched(fakes):
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    for r in range(3):
+        assert results[r].tolist() == [r, 10 + r, 20 + r]
+        assert logs[r] == [("all_to_all", 12)]
+
+
+@pytest.mark.parametrize("options,message", [({"exercise": "ring"}, "exercise"), ({"cases": ("nope",)}, "unknown"),
+                                             ({"exercise": "idle", "repeats": 0}, "at least 1")])
+def test_run_config_refuses_bad_options(options, message):
+    with pytest.raises((ValueError, cfg.ConfigError), match=message):
+        cfg.from_options(context_parallel.Config, options).validate()
