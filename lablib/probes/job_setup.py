@@ -64,8 +64,13 @@ class Recorder:
         real_kwargs = {"timeout": timeout} if isinstance(timeout, datetime.timedelta) else {}
         if backend == "nccl" and device_id is not None:
             real_kwargs["device_id"] = device_id
-        return self.real["init"](backend, store=dist.PrefixStore(f"lab00/{self.prefix}/{self.attempt}", self.store),
-                                 rank=self.rank, world_size=self.world_size, **real_kwargs)
+        self.real["init"](backend, store=dist.PrefixStore(f"lab00/{self.prefix}/{self.attempt}", self.store),
+                          rank=self.rank, world_size=self.world_size, **real_kwargs)
+        # Every rank's connections are made before any rank goes on. torch 2.13 has no barrier after init unless
+        # TORCH_DIST_INIT_BARRIER=1 (distributed_c10d.py:1412-1417, 1940), so a rank whose train raised at once tore
+        # its group down while a peer was still connecting: "Gloo connectFullMesh failed ... Connection closed by
+        # peer" there (seen on a busy machine: a correct answer lost its points).
+        self.real["barrier"]()
 
     def destroy(self, *args, **kwargs):
         self.destroys += 1
