@@ -156,3 +156,49 @@ class DTensorTP(Strategy):
     def full_weights(self, model):
         return merge_qkv({name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
                           for name, p in model.named_parameters()})
+
+
+class DeepSpeedZeRO(Strategy):
+    """DeepSpeed's ZeRO stage 1, 2 or 3 (Rajbhandari et al., 2020; the source chapter's ``ds_config`` route), fp32,
+    around the loop's own optimizer (``zero_allow_untested_optimizer``: SGD is not one of DeepSpeed's). Optional:
+    it needs ``pip install --no-build-isolation deepspeed`` and, on CPU, ``DS_ACCELERATOR=cpu`` (its shared-memory
+    op is built with ninja and a C++ compiler the first time). ``engine.step()`` steps and clears the gradients;
+    the loop's optimizer is a thin handle on it."""
+
+    def __init__(self, env, stage: int):
+        super().__init__(env)
+        self.stage, self.name = stage, f"deepspeed_zero{stage}"
+
+    def wrap_optimizer(self, model, optimizer_cls, **hyper):
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": self.stage}, "zero_allow_untested_optimizer": True}
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_cls(model.parameters(), **hyper),
+                                                    config=config)
+        return _EngineStep(self.engine)
+
+    def forward_backward(self, model, x, y):
+        _, loss = self.engine(*self.local_batch(x, y))
+        self.engine.backward(loss)
+        return loss.detach()
+
+    def full_weights(self, model):
+        import deepspeed
+
+        params = list(model.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.stage == 3):
+            return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class _EngineStep:
+    """The loop's ``opt.zero_grad()`` / ``opt.step()`` on a DeepSpeed engine (whose step also clears the gradients)."""
+
+    def __init__(self, engine):
+        self.engine, self.state = engine, {}
+
+    def zero_grad(self):
+        pass
+
+    def step(self):
+        self.engine.step()

@@ -23,6 +23,7 @@ always uses the stand-ins (the grading run: no cascade from earlier labs).
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import sys
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ from lablib.parallel import strategy_rows as R
 YOURS = ("yours_individual", "yours_bucketed", "yours_individual_zero1", "yours_bucketed_zero1")
 ROWS = ("single", "torch_ddp", "torch_ddp_zero1", "fsdp2", *YOURS, "yours_tp", "fsdp2_x_tp", "pipeline_gpipe",
         "control_sum_not_mean", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
-DATA_PARALLEL = ("torch_ddp", "torch_ddp_zero1", "fsdp2", *YOURS, "control_sum_not_mean")
+DATA_PARALLEL = ("torch_ddp", "torch_ddp_zero1", "fsdp2", *YOURS, "control_sum_not_mean", "deepspeed_zero1",
+                 "deepspeed_zero2", "deepspeed_zero3")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ def build(row: str, env, config: Config, pieces, impl):
         return _Alone(env), "PyTorch"
     if row in simple:
         return simple[row](env), "PyTorch"
+    if row.startswith("deepspeed"):
+        return R.DeepSpeedZeRO(env, int(row[-1])), "DeepSpeed"
     if row == "yours_tp":
         if pieces.tp is None:
             return R.DTensorTP(env), pieces.source["tp"]
@@ -261,7 +265,7 @@ def run(env, config: Config) -> dict:
 
 
 def _row(env, config, row, pieces, impl, batches, reference, baseline, rounds) -> dict:
-    if row.startswith("deepspeed"):
+    if row.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return {"skipped": "DeepSpeed is not installed with the course (optional row): see the notebook's note"}
     if row in YOURS and impl is None:
         return {"skipped": "exercise 1 (strategies_impl.py) is not written yet"}
