@@ -122,6 +122,25 @@ def test_rehearsal_sums_in_rank_order_and_names_a_collective_only_some_ranks_cal
     assert not dist.is_initialized()     # torch.distributed's own functions are back
 
 
+def test_rehearse_with_checks_each_run_as_it_ends():
+    """With check, the first run whose check fails ends the rehearsal: a wrong answer costs one case, not all."""
+    from lablib.probes.zero_comm import rehearse_with
+
+    probed = []
+
+    def probe(case, env):
+        probed.append((env.world_size, case))
+        return {"error": None, "case": case, "world_size": env.world_size}
+
+    def check(r):
+        assert r["case"] != "bad", "the bad case"
+
+    with pytest.raises(AssertionError, match="the bad case"):
+        rehearse_with(probe, ("1:good", "2:bad", "3:good"), check)
+    assert sorted(set(probed)) == [(1, "good"), (2, "bad")]
+    assert len(rehearse_with(probe, ("1:good", "3:good"), check)) == 2
+
+
 def test_held_bytes_counts_zero3_shards_as_parameters_and_a_freed_buffer_as_nothing():
     model = torch.nn.Linear(3, 2)                        # 8 parameters, views of a full buffer that is then freed
     full = torch.zeros(8)

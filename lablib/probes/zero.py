@@ -161,12 +161,13 @@ def greedy_state_bytes(groups, case, model, world_size: int) -> list[int]:
     return sorted(state)
 
 
-def rehearse(impl, exercise: str, runs) -> list[dict]:
+def rehearse(impl, exercise: str, runs, check=None) -> list[dict]:
     """probe_case for each "world size:case" of runs on ranks that are threads of this process
     (``lablib.probes.rehearsal``): seconds, before the real torchrun run of the same cases. Per run, rank 0's
     result, or the first rank's whose error is not only the wait for a rank that failed. Nothing (and a line
-    that says so) when the class calls a collective the rehearsal does not emulate."""
-    return rehearse_with(lambda case, env: probe_case(impl, exercise, case, env), runs)
+    that says so) when the class calls a collective the rehearsal does not emulate. ``check(result)``, if given,
+    runs after each case (the first failure ends the rehearsal)."""
+    return rehearse_with(lambda case, env: probe_case(impl, exercise, case, env), runs, check)
 
 
 # --- the graded checks ------------------------------------------------------------------------------------------

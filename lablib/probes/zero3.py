@@ -199,10 +199,10 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
     return out
 
 
-def rehearse(impl, runs) -> list[dict]:
+def rehearse(impl, runs, check=None) -> list[dict]:
     """``probe`` for each "world size:case" of runs on ranks that are threads of this process (seconds, before the
-    torchrun run of the same cases; see ``zero_comm.rehearse_with``)."""
-    return rehearse_with(lambda case, env: probe(impl, case, env), runs)
+    torchrun run of the same cases; ``check(result)`` after each; see ``zero_comm.rehearse_with``)."""
+    return rehearse_with(lambda case, env: probe(impl, case, env), runs, check)
 
 
 def check(r: dict) -> None:

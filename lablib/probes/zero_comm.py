@@ -93,8 +93,9 @@ def run_in_thread_ranks(world_size: int, fn) -> list:
         rehearsal._fake_functions = original
 
 
-def rehearse_with(probe, runs) -> list[dict]:
-    """probe(case, env) on thread ranks for each "world size:case" of runs (see ``rehearse``)."""
+def rehearse_with(probe, runs, check=None) -> list[dict]:
+    """probe(case, env) on thread ranks for each "world size:case" of runs (see ``rehearse``). With ``check``, each
+    run's result is checked as soon as it exists: a wrong answer fails at its first wrong case, not after all."""
     out = []
     for n, case in (r.split(":") for r in runs):
         n = int(n)
@@ -109,6 +110,8 @@ def rehearse_with(probe, runs) -> list[dict]:
             return out
         first = [r for r in per_rank if r["error"] and "RehearsalDeadlock" not in r["error"]]
         out.append(first[0] if first else per_rank[0])
+        if check is not None:
+            check(out[-1])
     return out
 
 
