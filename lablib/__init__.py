@@ -27,6 +27,7 @@ Read it like a table of contents. Five folders, one job each, and two modules of
                                bounds two runs that differ only in summation order must stay within
 - ``lablib.measure.p2p``       point-to-point sends and receives that count their bytes (lab 02)
 - ``lablib.measure.ddp_timeline`` lab 06's per-rank step timeline (CPU clocks on gloo, a profiler trace on GPUs)
+- ``lablib.measure.cp_idle`` lab 12's idle time of the contiguous and zigzag splits, measured on a ring
 - ``lablib.measure.pipeline_costs`` a measured pipeline step as stage times, latency and gap; played again with them
 
 ``lablib.course``: the course's models, data and formulas (no parallelism inside)
@@ -36,6 +37,7 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.course.scaling``  lab 03's strong-scaling formulas, the explicit all-reduce and DDP's bucket timer
 - ``lablib.course.training`` lab 05's one training loop for a single process, DDP, accumulation and FSDP2
 - ``lablib.course.checkpoint_interval`` lab 10's checkpoint interval simulated (failures at random)
+- ``lablib.course.cp_model`` lab 12's numbers: how a sequence is split over context-parallel ranks, work, bytes
 - ``lablib.course.moe``      lab 13's mixture-of-experts MLP in one process (router, gated sum, MoE GPT, its formulas)
 - ``lablib.course.plots``    the course's matplotlib conventions and widgets
 
@@ -78,6 +80,10 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.pipeline_recorder``  what a pipeline stage ran and when, and the activations it saved
 - ``lablib.probes.pipeline_rehearsal`` lab 09's engine on threads as ranks before torchrun (gloo's send/recv matching)
 - ``lablib.probes.fault_tolerance`` lab 10's resumed runs
+- ``lablib.probes.cp_events``       lab 12's ring watched: when each receive was posted and waited (overlap)
+- ``lablib.probes.cp_ring``         lab 12's ring attention forward and backward on ranks vs one process
+- ``lablib.probes.cp_split``        lab 12's zigzag split and idle fraction checked by their properties
+- ``lablib.probes.cp_ulysses``      lab 12's Ulysses re-shard on ranks (bit for bit, all-to-alls counted)
 - ``lablib.probes.expert_parallel`` lab 13's probes as the notebook reaches them (capacity and loss properties)
 - ``lablib.probes.ep_dispatch``     lab 13's dispatch and combine on ranks vs one process (values, rows, bytes)
 - ``lablib.probes.ep_grads``        lab 13's gradient reduction on a dp x ep mesh (values, groups)

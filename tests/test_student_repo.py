@@ -40,14 +40,14 @@ def test_it_holds_the_labs_and_what_runs_them_and_nothing_else(built):
 # asking whether it can answer a graded exercise (answer-equal references belong in instructor/references/).
 SHIPPED_MODULES = {
     "lablib": ["__init__", "checks"],
-    "lablib/course": ["__init__", "checkpoint_interval", "commcost", "data", "models", "moe", "plots", "scaling", "training"],
+    "lablib/course": ["__init__", "checkpoint_interval", "commcost", "cp_model", "data", "models", "moe", "plots", "scaling", "training"],
     "lablib/jobs": ["__init__", "config", "distenv", "exercise", "launch", "multinode", "outcome", "processes", "script",
                     "supervisor"],
-    "lablib/measure": ["__init__", "benchmark", "c10d_ops", "collective_log", "counting", "ddp_timeline", "memory", "p2p", "pipeline_costs",
+    "lablib/measure": ["__init__", "benchmark", "c10d_ops", "collective_log", "counting", "cp_idle", "ddp_timeline", "memory", "p2p", "pipeline_costs",
                        "rankcheck", "timing"],
     "lablib/parallel": ["__init__", "activation_checkpointing", "async_checkpoint", "checkpoint_run", "checkpointing", "pipeline", "strategies", "strategy_rows", "tensor_parallel", "zero_states"],
-    "lablib/probes": ["__init__", "collectives", "ddp", "ddp_cases", "ddp_order", "ep_dispatch", "ep_grads", "ep_rehearsal", "expert_parallel", "fault_tolerance", "gpt_migration", "job_setup", "pipeline", "pipeline_recorder", "pipeline_rehearsal", "pipeline_schedules", "rehearsal", "ring_rehearsal", "strategy_shards", "tensor_parallel", "tp_f_g", "tp_heads", "tp_layers", "zero", "zero3", "zero3_cases", "zero_cases", "zero_checks", "zero_comm", "zero_held", "zero_lab04"],
-    "lablib/runs": ["__init__", "amdahl_scaling", "collectives", "collectives_job", "ddp_overlap", "ddp_scratch", "expert_parallel", "fault_tolerance", "gpt_migration", "grad_accum", "hello", "pipeline", "pipeline_torch", "ring_allreduce", "strategy_benchmark", "tensor_parallel", "tp_2d", "tp_gpt", "zero_memory", "zero_scratch", "zero_stages"],
+    "lablib/probes": ["__init__", "collectives", "cp_events", "cp_ring", "cp_split", "cp_ulysses", "ddp", "ddp_cases", "ddp_order", "ep_dispatch", "ep_grads", "ep_rehearsal", "expert_parallel", "fault_tolerance", "gpt_migration", "job_setup", "pipeline", "pipeline_recorder", "pipeline_rehearsal", "pipeline_schedules", "rehearsal", "ring_rehearsal", "strategy_shards", "tensor_parallel", "tp_f_g", "tp_heads", "tp_layers", "zero", "zero3", "zero3_cases", "zero_cases", "zero_checks", "zero_comm", "zero_held", "zero_lab04"],
+    "lablib/runs": ["__init__", "amdahl_scaling", "collectives", "collectives_job", "context_parallel", "ddp_overlap", "ddp_scratch", "expert_parallel", "fault_tolerance", "gpt_migration", "grad_accum", "hello", "pipeline", "pipeline_torch", "ring_allreduce", "strategy_benchmark", "tensor_parallel", "tp_2d", "tp_gpt", "zero_memory", "zero_scratch", "zero_stages"],
 }
 
 
