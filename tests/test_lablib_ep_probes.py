@@ -142,19 +142,55 @@ class _DividedByDp(_Mean):
                 p.grad *= torch.distributed.get_world_size(world_group) / torch.distributed.get_world_size(dp_group)
 
 
-@pytest.mark.parametrize("impl, passes", [(_Mean, True), (_DividedByDp, False)])
-def test_grads_probe_on_a_2x2_mesh(impl, passes):
+class _SkipsFrozenOnly(_Mean):
+    """Skips by requires_grad: all_reduce(None) on a trainable parameter the loss never reached."""
+
+    @staticmethod
+    def reduce_moe_gradients(dense_params, expert_params, dp_group, world_group):
+        for params, group in ((dense_params, world_group), (expert_params, dp_group)):
+            for p in params:
+                if p.requires_grad:
+                    torch.distributed.all_reduce(p.grad, group=group)
+                    p.grad /= torch.distributed.get_world_size(world_group)
+
+
+class _NoWait(_Mean):
+    """Divides before the asynchronous all-reduce is waited on (a race on gloo and NCCL alike)."""
+
+    @staticmethod
+    def reduce_moe_gradients(dense_params, expert_params, dp_group, world_group):
+        for params, group in ((dense_params, world_group), (expert_params, dp_group)):
+            for p in params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, group=group, async_op=True)
+                    p.grad /= torch.distributed.get_world_size(world_group)
+
+
+@pytest.mark.parametrize("impl, case, passes", [(_Mean, "frozen", True), (_Mean, "unused", True),
+                                                (_DividedByDp, "frozen", False), (_SkipsFrozenOnly, "unused", False),
+                                                (_NoWait, "fp32", False)])
+def test_grads_probe_on_a_2x2_mesh(impl, case, passes):
     dp_groups, _ = ep_grads.mesh_groups(2, 2)
     world = ep_rehearsal.ThreadGroup(range(4))
-    records = run_in_thread_ranks(4, lambda r: ep_grads.probe(impl, "frozen", r, 2, 2,
+    records = run_in_thread_ranks(4, lambda r: ep_grads.probe(impl, case, r, 2, 2,
                                                               ep_rehearsal.ThreadGroup(dp_groups[r % 2]), world),
                                   more_fakes=ep_rehearsal.fakes)
     if passes:
         for record in records:
             ep_grads.check(record, real_ranks=False)
     else:
-        with pytest.raises(checks.CheckFailed, match="expert"):
+        with pytest.raises(checks.CheckFailed, match="expert|dense|failed"):
             ep_grads.check(records[0], real_ranks=False)
+
+
+def test_rehearsal_async_result_lands_on_wait():
+    def body(rank):
+        t = torch.tensor([float(rank + 1)])
+        work = torch.distributed.all_reduce(t, async_op=True)
+        before = t.item()
+        work.wait()
+        return before, t.item()
+    assert run_in_thread_ranks(2, body, more_fakes=ep_rehearsal.fakes) == [(1.0, 3.0), (2.0, 3.0)]
 
 
 def test_run_config_validation():

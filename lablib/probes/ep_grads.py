@@ -12,11 +12,12 @@ The contract: afterwards every ``.grad`` is the gradient of the mean of all W = 
 The probe gives each rank known gradients g_r (per rank and parameter, from one generator), calls
 ``reduce_moe_gradients(dense_params, expert_params, dp_group, world_group)`` and compares with the two sums above;
 values, dtypes and storage: each ``.grad`` is updated where it is (the tensor an optimizer holds), parameters
-unchanged, a parameter with no gradient (frozen) left alone. On real ranks the all-reduces are counted with
+unchanged, a parameter with no gradient (frozen, or unused) left alone. On real ranks the all-reduces are counted with
 their groups' ranks (``lablib.measure.counting``): an expert's gradient must be reduced over its dp group only.
 
-Cases (``CASES``): fp32; float64; a frozen expert parameter (requires_grad False, grad None). Tolerance: a sum of
-at most W terms in any order, and a division: gamma_{W+1} u times the sum of the terms' magnitudes.
+Cases (``CASES``): fp32; float64; a frozen expert parameter (requires_grad False, grad None); an unused dense
+parameter (requires_grad True, grad None on every rank: the loss never reached it). Tolerance: a sum of at most W
+terms in any order, and a division: gamma_{W+1} u times the sum of the terms' magnitudes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from lablib.measure import counting
 from lablib.measure.rankcheck import gamma
 
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
-CASES = {"fp32": torch.float32, "float64": torch.float64, "frozen": torch.float32}
+CASES = {"fp32": torch.float32, "float64": torch.float64, "frozen": torch.float32, "unused": torch.float32}
+# case -> (kind, index, requires_grad) of the parameter whose .grad is None on every rank
+NO_GRAD = {"frozen": ("expert", 1, False), "unused": ("dense", 1, True)}
 SHAPES = {"dense": [(6, 4), (4,)], "expert": [(5, 3), (3,)]}
 
 
@@ -60,9 +63,10 @@ def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group, d
         for kind in SHAPES:
             for p, g in zip(params[kind], _grads(case, rank, kind)):
                 p.grad = g.to(device)
-        if case == "frozen":
-            params["expert"][1].requires_grad_(False)
-            params["expert"][1].grad = None
+        if case in NO_GRAD:
+            kind, i, trainable = NO_GRAD[case]
+            params[kind][i].requires_grad_(trainable)
+            params[kind][i].grad = None
         held = {kind: [p.grad for p in params[kind]] for kind in SHAPES}
         with counting.count_collectives() as log:
             impl.reduce_moe_gradients(params["dense"], params["expert"], dp_group, world_group)
@@ -72,7 +76,7 @@ def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group, d
             terms = [_grads(case, r, kind) for r in ranks]
             for i, p in enumerate(params[kind]):
                 name = f"{kind}[{i}]"
-                if case == "frozen" and kind == "expert" and i == 1:
+                if NO_GRAD.get(case, (None, None))[:2] == (kind, i):
                     diffs[name] = 0.0 if p.grad is None else float("inf")
                     bounds[name] = 0.0
                     continue
@@ -101,8 +105,9 @@ def check(record: dict, real_ranks: bool = True) -> None:
         hint = ("dense: summed over all W ranks, divided by W" if name.startswith("dense") else
                 "expert: summed over its data-parallel group only (the ranks holding the same experts), divided by "
                 "W = dp x ep (not by dp: each local gradient already sums ep ranks' tokens)")
-        if record["case"] == "frozen" and name == "expert[1]":
-            hint = "a parameter without a gradient (frozen) keeps grad None"
+        no_grad = NO_GRAD.get(record["case"])
+        if no_grad and name == f"{no_grad[0]}[{no_grad[1]}]":
+            hint = "a parameter whose .grad is None (frozen, or never reached by the loss) keeps grad None"
         checks.check_true(diff <= record["bounds"][name], f"{name}.grad ({where}): max difference "
                           f"{diff:.2e} from the mean loss's gradient, allowed {record['bounds'][name]:.1e}", hint)
     checks.check_true(all(record.get("in_place", [])), f"every .grad updated in place ({where})",

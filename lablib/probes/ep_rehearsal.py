@@ -13,7 +13,10 @@ sub-groups. ``ThreadGroup(ranks)`` stands for a group in a rehearsal, and ``fake
 - a result is computed from the slots of the caller's group only, in the group's rank order;
 - ``all_to_all_single`` checks what gloo checks (the splits sum to the tensors' first dimension; rank s's
   input_split_sizes[r] equals rank r's output_split_sizes[s]) and raises the error a real run would
-  (gloo: "Received data size doesn't match expected size") instead of a hang or a silent result.
+  (gloo: "Received data size doesn't match expected size") instead of a hang or a silent result;
+- with ``async_op=True`` the result lands in the output tensor when the returned work's ``wait()`` (or
+  ``is_completed()``) is called, not before: the latest a real backend may deliver it (NCCL on its own stream, gloo
+  on its worker thread), so code that uses the tensor before waiting sees, every time, what a real run may see.
 
 A group object of another kind (the real ``dist.group.WORLD``, None) means every thread.
 """
@@ -68,9 +71,7 @@ def fakes(world, local) -> dict:
         if any(m[0] != tuple(members) for m in mine):
             raise RuntimeError(f"all_reduce: rank {local.rank} reduced over ranks {members}, but ranks of that group "
                                f"called it with other groups {[list(m[0]) for m in mine]} (on real ranks: a hang)")
-        with torch.no_grad():
-            tensor.copy_(_reduce([m[1] for m in mine], op))
-        return _Done() if async_op else None
+        return _land(lambda: tensor.copy_(_reduce([m[1] for m in mine], op)), async_op)
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False, **_):
@@ -91,9 +92,7 @@ def fakes(world, local) -> dict:
                                    f"first and pass them as output_split_sizes")
             start = sum(their_sizes[:me])
             pieces.append(their_input[start:start + their_sizes[me]])
-        with torch.no_grad():
-            output.copy_(torch.cat(pieces).to(output.dtype) if pieces else output)
-        return _Done() if async_op else None
+        return _land(lambda: output.copy_(torch.cat(pieces).to(output.dtype) if pieces else output), async_op)
 
     def unsupported(name):
         def call(*args, **kwargs):
@@ -105,9 +104,33 @@ def fakes(world, local) -> dict:
             "all_gather_into_tensor": unsupported("all_gather_into_tensor")}
 
 
-class _Done:
+def _land(write, async_op: bool):
+    """Write a collective's result now (a blocking call), or when its work is waited on (``async_op=True``)."""
+    if not async_op:
+        with torch.no_grad():
+            write()
+        return None
+    return _Pending(write)
+
+
+class _Pending:
+    """The work an ``async_op=True`` call returns: its result is written into the output on ``wait()``."""
+
+    def __init__(self, write):
+        self._write = write
+
     def wait(self, timeout=None) -> bool:
+        if self._write is not None:
+            with torch.no_grad():
+                self._write()
+            self._write = None
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future

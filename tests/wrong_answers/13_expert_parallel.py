@@ -2,7 +2,10 @@
 and correct answers written another way (CORRECT_VARIANTS), which must keep full marks.
 
 Exercises 3 and 4 are rehearsed on threads before their torchrun start, so every wrong answer below fails there,
-without a process start, except where noted.
+without a process start. Entries marked "(red team)" repeat mistakes and correct variants that a reviewer who had
+read only the released notebook wrote; three of them had kept full marks before the checks that catch them now (the
+expert-parallel group ignored for the default one, an all-reduce not waited on, a trainable parameter without a
+gradient).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ WRONG_ANSWERS = {
     position = one_hot.cumsum(0) - 1
     fits = (position.gather(1, by_priority.unsqueeze(1)).squeeze(1) < capacity).flip(0)
     return fits.view(expert_index.shape[1], -1).t().contiguous()''')),
+        ("(red team) expert_index transposed in place: the mask is right, the caller's tensor comes back (k, T)",
+         _changed("moe_routing", ("    by_priority = expert_index.t().reshape(-1)",
+                                  "    num_tokens, k = expert_index.shape\n"
+                                  "    by_priority = expert_index.t_().reshape(-1)"), (
+             "    return fits.view(expert_index.shape[1], -1).t().contiguous()",
+             "    return fits.view(k, num_tokens).t().contiguous()"))),
+        ("(red team) one_hot without num_classes: fails when no token comes (T = 0)", _changed("moe_routing", (
+            "torch.nn.functional.one_hot(by_priority, num_experts)", "torch.nn.functional.one_hot(by_priority)"))),
+        ("(red team) off by one: an expert keeps capacity + 1 assignments", _changed("moe_routing", (
+            "squeeze(1) < capacity)", "squeeze(1) <= capacity)"))),
         ("capacity applied to the whole batch (the first E x capacity assignments kept, whatever their expert), "
          "not per expert", _keep_replaced('''
     by_priority = expert_index.t().reshape(-1)
@@ -54,6 +67,16 @@ WRONG_ANSWERS = {
         ("f_i divided by T, not by the T k assignments (k = 2 counts every token twice)", _changed("moe_aux_loss", (
             "    f = counts.to(router_probs.dtype) / expert_index.numel()",
             "    f = counts.to(router_probs.dtype) / num_tokens"))),
+        ("(red team) f_i in float64: the loss comes back float64 for float32 probabilities", _changed("moe_aux_loss", (
+            "    f = counts.to(router_probs.dtype) / expert_index.numel()",
+            "    f = counts.double() / expert_index.numel()"))),
+        ("(red team) f_i from the first choices only (the k = 1 definition used for top-2)", _changed("moe_aux_loss", (
+            "    counts = torch.bincount(expert_index.reshape(-1), minlength=num_experts)\n"
+            "    f = counts.to(router_probs.dtype) / expert_index.numel()",
+            "    counts = torch.bincount(expert_index[:, 0], minlength=num_experts)\n"
+            "    f = counts.to(router_probs.dtype) / num_tokens"))),
+        ("(red team) P_i detached: no gradient reaches the router", _changed("moe_aux_loss", (
+            "    P = router_probs.mean(dim=0)", "    P = router_probs.detach().mean(dim=0)"))),
         ("f_i taken from the probabilities (soft counts: f = P), so the loss is E sum P_i^2", _changed("moe_aux_loss", (
             "    f = counts.to(router_probs.dtype) / expert_index.numel()", "    f = router_probs.mean(dim=0)"))),
     ],
@@ -74,9 +97,23 @@ WRONG_ANSWERS = {
         ("the gates are not applied to the experts' outputs", _changed("ep_dispatch", (
             "    weighted = back * gates.reshape(-1)[order].unsqueeze(1)", "    weighted = back"))),
         ("an expert that received no row is skipped, so that rank's backward skips the combine's all-to-all "
-         "(a deadlock, reported by the thread rehearsal after its timeout)", _changed("ep_dispatch", (
+         "(its next all-to-all meets a peer's other one: the rehearsal reports the mismatched sizes at once)",
+         _changed("ep_dispatch", (
             "        out = out.index_copy(0, rows, expert(tokens[rows]))",
             "        if rows.numel():\n            out = out.index_copy(0, rows, expert(tokens[rows]))"))),
+        ("(red team) the world size of the default group, not of the expert-parallel group passed in", _changed(
+            "ep_dispatch", ("    n, per_rank = dist.get_world_size(group), len(local_experts)",
+                            "    n, per_rank = dist.get_world_size(), len(local_experts)"))),
+        ("(red team) assignment a taken as token a % T (choice-major) while expert_index is flattened token by token "
+         "(right for k = 1 only)", _changed("ep_dispatch", ("order // k", "order % expert_index.shape[0]"))),
+        ("(red team) the output made in float32 whatever x's dtype", _changed("ep_dispatch", (
+            "    return torch.zeros_like(x).index_add(0, order // k, weighted)",
+            "    return torch.zeros(x.shape).index_add(0, order // k, weighted.float())"))),
+        ("(red team) the dropped assignments sent too (as expert 0 with gate 0): right values, extra rows and bytes",
+         _changed("ep_dispatch", ("    flat = expert_index.reshape(-1)",
+                                  "    flat = expert_index.reshape(-1).clamp(min=0)"), (
+             "    weighted = back * gates.reshape(-1)[order].unsqueeze(1)",
+             "    weighted = back * (gates * (expert_index >= 0)).reshape(-1)[order].unsqueeze(1)"))),
     ],
     "ep_dp": [
         ("the experts' gradients reduced over every rank (the wrong group: different experts added together)",
@@ -95,8 +132,21 @@ WRONG_ANSWERS = {
     "dispatch_bytes_answer": [
         ("(c): counts the rank's own block as sent away", 'dispatch_bytes_answer = "c"'),
         ("(a): the dispatch only, no combine, k forgotten", 'dispatch_bytes_answer = "a"'),
+        ("(red team) (d): divides by N instead of keeping the (N-1)/N that leaves", 'dispatch_bytes_answer = "d"'),
     ],
 }
+WRONG_ANSWERS["ep_dp"] += [
+    ("(red team) an asynchronous all-reduce never waited on: the division races the reduction (on gloo too)",
+     _changed("ep_dp", ("            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)",
+                        "            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group, async_op=True)"))),
+    ("(red team) skips only frozen parameters (requires_grad False): all_reduce(None) on a trainable parameter the "
+     "loss never reached", _changed("ep_dp", ("            if p.grad is None:",
+                                             "            if not p.requires_grad:"))),
+    ("(red team) the experts' gradients divided by dp squared (dp taken for the expert-parallel degree too: right on "
+     "a square mesh only)", _changed("ep_dp", (
+         "            p.grad.div_(world)",
+         "            p.grad.div_(world if group is world_group else dist.get_world_size(group) ** 2)"))),
+]
 
 CORRECT_VARIANTS = {
     "moe_routing": [
@@ -150,3 +200,66 @@ CORRECT_VARIANTS = {
             "import torch.distributed as dist", "import torch\nimport torch.distributed as dist"))),
     ],
 }
+
+
+def _body_replaced(grade_id: str, function: str, body: str) -> str:
+    """The solution cell with ``function``'s body (after its docstring) replaced by ``body``."""
+    source = _cells.source(grade_id)
+    after_docstring = source.split(f"def {function}(", 1)[1].split('"""\n', 1)[1]
+    old_body = after_docstring.split("\n\n\n")[0].rstrip("\n")
+    return _changed(grade_id, (old_body, body.strip("\n")))
+
+
+CORRECT_VARIANTS["moe_routing"].append(
+    ("(red team) each assignment's place in its expert's queue from cumsum * one_hot summed over experts",
+     _keep_replaced('''
+    T, k = expert_index.shape
+    flat = expert_index.t().reshape(-1)                       # choice-major: all first choices, then all second
+    onehot = torch.nn.functional.one_hot(flat, num_experts)   # (kT, E)
+    position = (onehot.cumsum(0) * onehot).sum(-1) - 1        # rank of this assignment within its expert
+    return (position < capacity).reshape(k, T).t()''')))
+CORRECT_VARIANTS["moe_aux_loss"].append(
+    ("(red team) f from a one-hot under no_grad, P = sum / T, the product by einsum", _changed("moe_aux_loss", (
+        "    counts = torch.bincount(expert_index.reshape(-1), minlength=num_experts)\n"
+        "    f = counts.to(router_probs.dtype) / expert_index.numel()\n"
+        "    P = router_probs.mean(dim=0)\n"
+        "    return alpha * num_experts * torch.sum(f * P)",
+        "    with torch.no_grad():\n"
+        "        one_hot = torch.nn.functional.one_hot(expert_index, num_experts).to(router_probs.dtype)\n"
+        "        f = one_hot.sum(dim=(0, 1)) / (num_tokens * expert_index.shape[1])\n"
+        "    P = router_probs.sum(0) / num_tokens\n"
+        "    return torch.einsum(\"e,e->\", f, P) * (alpha * num_experts)"))))
+CORRECT_VARIANTS["ep_dispatch"].append(
+    ("(red team) no sort: each expert's assignments found by nonzero, the results split per source and expert",
+     _body_replaced("ep_dispatch", "expert_parallel_moe", '''
+    world = dist.get_world_size(group)
+    per_rank = num_experts // world
+    T, k = expert_index.shape
+    flat_expert = expert_index.reshape(-1)
+    flat_token = torch.arange(T, device=x.device).repeat_interleave(k)
+    flat_gate = gates.reshape(-1)
+    sel = torch.cat([(flat_expert == e).nonzero(as_tuple=True)[0] for e in range(num_experts)])
+    sel_expert, sel_token = flat_expert[sel], flat_token[sel]
+    send_counts = torch.bincount(sel_expert, minlength=num_experts).to(torch.int64)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    recv_matrix = recv_counts.view(world, per_rank)            # [source rank, local expert]
+    send_splits = send_counts.view(world, per_rank).sum(1).tolist()
+    recv_splits = recv_matrix.sum(1).tolist()
+    received = AllToAll.apply(x[sel_token], send_splits, recv_splits, group)
+    pieces = list(received.split(recv_matrix.reshape(-1).tolist()))
+    results = [None] * len(pieces)
+    for e, expert in enumerate(local_experts):
+        idx = [s * per_rank + e for s in range(world)]
+        out = expert(torch.cat([pieces[i] for i in idx]))
+        for i, part in zip(idx, out.split([pieces[i].shape[0] for i in idx])):
+            results[i] = part
+    back = AllToAll.apply(torch.cat(results), recv_splits, send_splits, group)
+    weighted = back * flat_gate[sel].unsqueeze(-1)
+    return torch.zeros_like(x).index_add(0, sel_token, weighted.to(x.dtype))''')))
+CORRECT_VARIANTS["ep_dp"].append(
+    ("(red team) each gradient scaled by 1/W first, then all-reduced in place", _changed("ep_dp", (
+        "            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)\n"
+        "            p.grad.div_(world)                  # W, not the group's size: see the derivation above",
+        "            p.grad.mul_(1.0 / world)\n"
+        "            dist.all_reduce(p.grad, group=group)"))))
