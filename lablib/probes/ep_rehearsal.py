@@ -15,8 +15,10 @@ sub-groups. ``ThreadGroup(ranks)`` stands for a group in a rehearsal, and ``fake
   input_split_sizes[r] equals rank r's output_split_sizes[s]) and raises the error a real run would
   (gloo: "Received data size doesn't match expected size") instead of a hang or a silent result;
 - with ``async_op=True`` the result lands in the output tensor when the returned work's ``wait()`` (or
-  ``is_completed()``) is called, not before: the latest a real backend may deliver it (NCCL on its own stream, gloo
-  on its worker thread), so code that uses the tensor before waiting sees, every time, what a real run may see.
+  ``is_completed()``) is called, not before: the latest a real backend may deliver it, so code that uses the tensor
+  before waiting sees every time what a real run sees some of the time. NCCL enqueues an async collective on a
+  separate CUDA stream (torch/distributed/distributed_c10d.py:5772-5777 in torch 2.13); on gloo (CPU, 2 ranks, one
+  float tensor) dividing right after an async all_reduce gave 2.5 and 1.25 instead of 1.5 in 2 of 6 tries.
 
 A group object of another kind (the real ``dist.group.WORLD``, None) means every thread.
 """
