@@ -1,7 +1,9 @@
 """Wrong answers and correct variants for lab 11 (see tests/wrong_answers/__init__.py).
 
-Exercise 1's answers each cost one torchrun start of the graded run (5 rows, 2 ranks): four wrong ones, one correct
-variant. Exercises 2 and 3 run in the kernel: more of them.
+Exercise 1's hidden checks run first in the kernel (wrappers that record what the strategy gives them), so its wrong
+answers fail before any torchrun start; each correct variant costs one start of the graded run (5 rows, 2 ranks).
+Exercises 2 and 3 run in the kernel. Entries marked "red team" are mistakes and variants written from the released
+notebook only; the ones the first tests missed are marked "(missed before)".
 """
 
 from __future__ import annotations
@@ -10,6 +12,43 @@ from wrong_answers import SolutionCells
 
 LAB = "11_strategy_benchmark"
 _changed = SolutionCells(LAB).changed
+
+
+# The red team's exercise 1 variants share the released cell's head (the constructor is given).
+_EX1_HEAD = '''
+%%writefile strategies_impl.py
+"""Exercise 1 of lab 11: lab 06's DDP classes and lab 07's ShardedOptimizer behind the strategy interface."""
+import torch
+
+from lablib.parallel.strategies import Strategy, unwrap
+
+
+class YourDDP(Strategy):
+    def __init__(self, env, ddp_cls, ddp_kwargs=None, sharded_optimizer_cls=None):
+        super().__init__(env)
+        self.ddp_cls = ddp_cls
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.sharded_optimizer_cls = sharded_optimizer_cls
+'''
+
+# Two of the red team's exercise 2 answers: an index tensor cut by torch.tensor_split or torch.chunk.
+_CUT_INDEX = '''
+def full_from_shards(shards, mesh_shape, placements, global_shape):
+    """The full tensor of shape global_shape from every mesh coordinate's local shard."""
+    sample = next(iter(shards.values()))
+    numel = 1
+    for n in global_shape:
+        numel *= n
+    index = torch.arange(numel).reshape(tuple(global_shape))
+    flat = torch.empty(numel, dtype=sample.dtype, device=sample.device)
+    for coord, local in shards.items():
+        block = index
+        for k, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                block = torch.@@SPLIT@@(block, mesh_shape[k], dim=placement.dim)[coord[k]]
+        flat[block.reshape(-1)] = local.reshape(-1)
+    return flat.reshape(tuple(global_shape))
+'''
 
 WRONG_ANSWERS = {
     "strategy_class": [
@@ -24,6 +63,23 @@ WRONG_ANSWERS = {
         ("returns the wrapper's parameter names ('module.wte.weight')", _changed(
             "strategy_class", ("return {n: w.detach() for n, w in model.module.named_parameters()}",
                                "return {n: w.detach() for n, w in model.named_parameters()}"))),
+        ("red team (missed before): all-reduces p.grad itself and halves it instead of finishing the wrapper's "
+         "synchronization (right only at 2 ranks with a wrapper that has no hooks)", _changed(
+            "strategy_class", ("        model.finish_gradient_synchronization()   # waits for the all-reduces (lab 06's contract)\n",
+                               "        import torch.distributed as dist\n"
+                               "        for p in model.parameters():\n"
+                               "            if p.grad is not None:\n"
+                               "                dist.all_reduce(p.grad)\n"
+                               "                p.grad.mul_(0.5)\n"))),
+        ("red team (missed before): ddp_kwargs dropped (lab 06's DDPBucketed needs its bucket size)", _changed(
+            "strategy_class", ("return self.ddp_cls(model.to(self.env.device), **self.ddp_kwargs)",
+                               "return self.ddp_cls(model.to(self.env.device))"))),
+        ("red team (missed before): the model is not moved to env.device (the same on a CPU, wrong on a GPU)", _changed(
+            "strategy_class", ("return self.ddp_cls(model.to(self.env.device), **self.ddp_kwargs)",
+                               "return self.ddp_cls(model, **self.ddp_kwargs)"))),
+        ("red team: ZeroRedundancyOptimizer's keyword optimizer_class= instead of lab 07's optimizer_cls", _changed(
+            "strategy_class", ("return self.sharded_optimizer_cls(params, optimizer_cls, **hyper)",
+                               "return self.sharded_optimizer_cls(params, optimizer_class=optimizer_cls, **hyper)"))),
     ],
     "full_from_shards": [
         ("splits evenly, D // n rows per rank (the remainder lost)", _changed(
@@ -41,6 +97,38 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
     dim = placements[0].dim if isinstance(placements[0], Shard) else 0
     return torch.cat([shards[c] for c in sorted(shards)], dim=dim)
 '''),
+        ("red team (missed before): two mesh dimensions on one tensor dimension cut as one torch.chunk into n0 n1 "
+         "pieces (the same when sizes divide; 5 rows over 2 x 2: 2, 2, 1, 0 instead of 2, 1, 1, 1)", '''
+def full_from_shards(shards, mesh_shape, placements, global_shape):
+    """The full tensor of shape global_shape from every mesh coordinate's local shard."""
+    sample = next(iter(shards.values()))
+    full = torch.empty(tuple(global_shape), dtype=sample.dtype, device=sample.device)
+    for coord, local in shards.items():
+        # per tensor dim: how many pieces it is cut into and this coordinate's flat index among them
+        pieces, which = {}, {}
+        for k, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                d = placement.dim % len(global_shape)
+                which[d] = which.get(d, 0) * mesh_shape[k] + coord[k]
+                pieces[d] = pieces.get(d, 1) * mesh_shape[k]
+        idx = []
+        for d, size in enumerate(global_shape):
+            if d in pieces:
+                chunk = -(-size // pieces[d])
+                start = min(which[d] * chunk, size)
+                idx.append(slice(start, min(start + chunk, size)))
+            else:
+                idx.append(slice(0, size))
+        full[tuple(idx)] = local
+    return full
+'''),
+        ("red team: torch.tensor_split's rule (5 over 4: 2, 1, 1, 1) instead of torch.chunk's (2, 2, 1, 0)",
+         _CUT_INDEX.replace("@@SPLIT@@", "tensor_split")),
+        ("red team: torch.chunk(...)[c] (torch.chunk returns fewer than n chunks when the last are empty)",
+         _CUT_INDEX.replace("@@SPLIT@@", "chunk")),
+        ("red team: the mesh dimensions applied last first", _changed(
+            "full_from_shards", ("for k, placement in enumerate(placements):",
+                                 "for k, placement in reversed(list(enumerate(placements))):"))),
     ],
     "planner": [
         ("ZeRO-2 shards only the optimizer state (gradients kept whole)", _changed(
@@ -57,6 +145,27 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
         ("never checks that the plan fits in memory", _changed(
             "planner", ('if p["memory_bytes"] <= cluster["memory_bytes"] and (best is None',
                         'if (best is None'))),
+        ("red team (missed before): 1F1B keeps p micro-batches in flight, not min(p, m)", _changed(
+            "planner", ("* (L // pp) * min(pp, m)", "* (L // pp) * pp"))),
+        ("red team (missed before): d | B, p | L and the ZeRO stage never validated", _changed(
+            "planner", ('("pp does not divide layers", L % pp),\n', "\n"),
+                       ('("dp does not divide the batch", B % dp), ("zero not in 0..3", zero not in range(4))', ""))),
+        ("red team (missed before): plan tries ZeRO stages 0-2 only", _changed(
+            "planner", ("for zero in range(4):", "for zero in range(3):"))),
+        ("red team: ZeRO-2 also shards the parameters", _changed(
+            "planner", ("w / (dp if zero == 3 else 1)", "w / (dp if zero >= 2 else 1)"))),
+        ("red team: the attention scores' 5as/h not divided by the tensor-parallel degree", _changed(
+            "planner", ("(10 + 24 / tp + 5 * a * s / (h * tp))", "(10 + 24 / tp + 5 * a * s / h)"))),
+        ("red team: activations of all L layers on every stage", _changed(
+            "planner", ("* (L // pp) * min(pp, m)", "* L * min(pp, m)"))),
+        ("red team: assert instead of ValueError for dp tp pp != N and tp > g", _changed(
+            "planner", ("    if bad:\n", '    assert dp * tp * pp == N and tp <= g, "invalid degrees"\n    if bad:\n'))),
+        ("red team: plan returns None when nothing fits", _changed(
+            "planner", ("    if best is None:\n", "    if False:\n"))),
+        ("red team: the gradient all-reduce of the whole model's 2P bytes, not this GPU's 2P/(tp pp)", _changed(
+            "planner", ("(2 * shard) / dp_bw", "(2 * P) / dp_bw"))),
+        ("red team: the bubble with m = B micro-batches instead of B / d", _changed(
+            "planner", ("* (m + pp - 1) / m\n", "* ((B if pp > 1 else 1) + pp - 1) / (B if pp > 1 else 1)\n"))),
     ],
 }
 
@@ -94,6 +203,55 @@ class YourDDP(Strategy):
             inner = inner.module
         return {name: p.detach().clone() for name, p in inner.named_parameters()}
 '''),
+        ("red team: the wrapper's parameters (each once: the module is its only child)", _changed(
+            "strategy_class", ("params = model.module.parameters()        # the wrapped model's: the same tensors, each once",
+                               "params = model.parameters()"))),
+        ("red team: super().wrap_model for the device move, lablib's unwrap, a lambda factory, cloned weights",
+         _EX1_HEAD + '''
+    def wrap_model(self, model):
+        model = super().wrap_model(model)            # Strategy's: model.to(self.env.device)
+        return self.ddp_cls(model, **self.ddp_kwargs)
+
+    def wrap_optimizer(self, model, optimizer_cls, **hyper):
+        params = list(unwrap(model).parameters())
+        if self.sharded_optimizer_cls is None:
+            make = optimizer_cls
+        else:
+            make = lambda ps, **kw: self.sharded_optimizer_cls(ps, optimizer_cls, **kw)   # lab 07: positional
+        return make(params, **hyper)
+
+    def sync_gradients(self, model):
+        finish = getattr(model, "finish_gradient_synchronization")
+        finish()
+
+    def full_weights(self, model):
+        return {name: p.detach().clone() for name, p in unwrap(model).named_parameters()}
+'''),
+        ("red team: in-place model.to(device=...), a list of parameters, no_grad around finish, a dict loop",
+         _EX1_HEAD + '''
+    def wrap_model(self, model):
+        device = self.env.device
+        model.to(device=device)
+        wrapped = self.ddp_cls(model, **self.ddp_kwargs)
+        return wrapped
+
+    def wrap_optimizer(self, model, optimizer_cls, **hyper):
+        params = [p for p in model.parameters()]
+        if self.sharded_optimizer_cls is not None:
+            return self.sharded_optimizer_cls(params, optimizer_cls, **hyper)
+        return optimizer_cls(params, **hyper)
+
+    def sync_gradients(self, model):
+        with torch.no_grad():
+            model.finish_gradient_synchronization()
+
+    def full_weights(self, model):
+        plain = model.module
+        prefix_free = {}
+        for name, p in plain.named_parameters():
+            prefix_free[name] = p.detach()
+        return prefix_free
+'''),
     ],
     "full_from_shards": [
         ("torch.chunk on index ranges, coordinate by coordinate", '''
@@ -111,6 +269,58 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
         if all(len(r) for r in ranges):
             out[tuple(slice(int(r[0]), int(r[-1]) + 1) for r in ranges)] = local
     return out
+'''),
+        ("red team: per-coordinate start and length from ceil chunks, mesh dimensions in order",
+         '''
+def full_from_shards(shards, mesh_shape, placements, global_shape):
+    """The full tensor of shape global_shape from every mesh coordinate's local shard."""
+    any_shard = next(iter(shards.values()))
+    full = torch.empty(tuple(global_shape), dtype=any_shard.dtype, device=any_shard.device)
+    for coord, local in shards.items():
+        starts = [0] * len(global_shape)
+        sizes = list(global_shape)
+        for k, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                d = placement.dim % len(global_shape)
+                n = mesh_shape[k]
+                chunk = -(-sizes[d] // n)                      # ceil: torch.chunk's chunk length
+                start = min(coord[k] * chunk, sizes[d])
+                stop = min(start + chunk, sizes[d])
+                starts[d] += start
+                sizes[d] = stop - start
+        full[tuple(slice(a, a + n) for a, n in zip(starts, sizes))] = local
+    return full
+'''),
+        ("red team: an index tensor cut with torch.chunk as DTensor cuts it (missing chunks empty), scattered",
+         '''
+import itertools
+
+import torch
+
+
+def _chunk_or_empty(t, n, i, dim):
+    """torch.chunk's i-th of n chunks, empty where torch.chunk returns fewer than n."""
+    pieces = torch.chunk(t, n, dim=dim)
+    if i < len(pieces):
+        return pieces[i]
+    return t.narrow(dim, t.shape[dim], 0)
+
+
+def full_from_shards(shards, mesh_shape, placements, global_shape):
+    """Scatter each shard through an index tensor cut exactly the way DTensor cuts the full tensor."""
+    sample = shards[next(iter(shards))]
+    numel = 1
+    for n in global_shape:
+        numel *= n
+    index = torch.arange(numel).reshape(tuple(global_shape))
+    flat = torch.zeros(numel, dtype=sample.dtype, device=sample.device)
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        block = index
+        for k, placement in enumerate(placements):
+            if placement.is_shard():
+                block = _chunk_or_empty(block, mesh_shape[k], coord[k], placement.dim)
+        flat[block.reshape(-1).to(flat.device)] = shards[coord].reshape(-1)
+    return flat.reshape(tuple(global_shape))
 '''),
     ],
     "planner": [
@@ -153,6 +363,129 @@ def plan(model, cluster):
     if not options:
         raise ValueError("nothing fits")
     return min(options, key=lambda o: o["step_s"])
+'''),
+        ("red team: the formulas term by term, nested loops, the first fastest (GPT-2 XL: zero=1)",
+         '''
+def predict(model, cluster, dp, zero, tp, pp, state_bytes=(2, 2, 12)):
+    P, L, h, a, s, B = (model[k] for k in ("params", "layers", "hidden", "heads", "seq", "batch"))
+    N, g, M = cluster["gpus"], cluster["gpus_per_node"], cluster["memory_bytes"]
+    F, bw_intra, bw_inter = cluster["flops"], cluster["bw_intra"], cluster["bw_inter"]
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {zero} is not 0, 1, 2 or 3")
+    if min(dp, tp, pp) < 1 or dp * tp * pp != N:
+        raise ValueError(f"dp*tp*pp = {dp * tp * pp} != {N} GPUs")
+    if tp > g:
+        raise ValueError(f"tp={tp} > {g} GPUs per node")
+    if a % tp:
+        raise ValueError(f"tp={tp} does not divide {a} heads")
+    if L % pp:
+        raise ValueError(f"pp={pp} does not divide {L} layers")
+    if B % dp:
+        raise ValueError(f"dp={dp} does not divide the batch of {B}")
+    psi = P / (tp * pp)
+    b_w, b_g, b_o = state_bytes
+    states = psi * (b_w / (dp if zero >= 3 else 1) + b_g / (dp if zero >= 2 else 1) + b_o / (dp if zero >= 1 else 1))
+    if pp > 1:
+        m, b = B // dp, 1
+        in_flight = min(pp, m)
+    else:
+        m, b = 1, B // dp
+        in_flight = 1
+    activations = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * (L // pp) * in_flight
+    memory = states + activations
+    compute = 6 * P * B * s / (N * F) * (m + pp - 1) / m
+    tp_comm = 4 * (L // pp) * m * 2 * (tp - 1) / tp * (b * s * h * 2) / bw_intra
+    bw = bw_intra if N <= g else bw_inter
+    grad_comm = 2 * (dp - 1) / dp * 2 * psi / bw
+    if zero == 3:
+        grad_comm *= 1.5
+    step = compute + tp_comm + grad_comm
+    return {"memory_bytes": memory, "step_s": step, "states_bytes": states, "activations_bytes": activations,
+            "compute_s": compute, "tp_comm_s": tp_comm, "grad_comm_s": grad_comm}
+
+
+def plan(model, cluster):
+    N = cluster["gpus"]
+    best = None
+    for tp in range(1, N + 1):
+        for pp in range(1, N + 1):
+            if N % (tp * pp):
+                continue
+            dp = N // (tp * pp)
+            for zero in range(4):
+                try:
+                    p = predict(model, cluster, dp, zero, tp, pp)
+                except ValueError:
+                    continue
+                if p["memory_bytes"] > cluster["memory_bytes"]:
+                    continue
+                if best is None or p["step_s"] < best["step_s"]:
+                    best = {"dp": dp, "zero": zero, "tp": tp, "pp": pp, **p}
+    if best is None:
+        raise ValueError(f"no (dp, zero, tp, pp) fits the model in {cluster['memory_bytes'] / 1e9:.0f} GB per GPU")
+    return best
+'''),
+        ("red team: all problems listed then one ValueError, a ring helper, min by (step, memory): zero=2 on a tie",
+         '''
+import itertools
+
+
+def _divisors(n):
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def predict(model, cluster, dp, zero, tp, pp, state_bytes=(2, 2, 12)):
+    """Memory per GPU and step time from labs 02, 04, 08 and 09's formulas."""
+    P, L, h = model["params"], model["layers"], model["hidden"]
+    heads, s, B = model["heads"], model["seq"], model["batch"]
+    N, g = cluster["gpus"], cluster["gpus_per_node"]
+    problems = []
+    if dp * tp * pp != N:
+        problems.append("dp*tp*pp != N")
+    if tp > g:
+        problems.append("tp > gpus per node")
+    if heads % tp != 0:
+        problems.append("tp does not divide heads")
+    if L % pp != 0:
+        problems.append("pp does not divide layers")
+    if B % dp != 0:
+        problems.append("dp does not divide batch")
+    if zero not in range(4):
+        problems.append("zero not in 0..3")
+    if problems:
+        raise ValueError("; ".join(problems))
+    psi = P / (tp * pp)
+    divide = [dp if zero >= 3 else 1, dp if zero >= 2 else 1, dp if zero >= 1 else 1]
+    states = sum(psi * nbytes / k for nbytes, k in zip(state_bytes, divide))
+    micro = B // dp if pp > 1 else 1
+    b = 1 if pp > 1 else B // dp
+    per_layer = s * b * h * (10 + 24 / tp + 5 * heads * s / (h * tp))
+    acts = per_layer * (L / pp) * (min(pp, micro) if pp > 1 else 1)
+    t_compute = 6 * P * B * s / (N * cluster["flops"]) * ((micro + pp - 1) / micro)
+    ring = lambda nbytes, ranks, bw: 2 * (ranks - 1) / ranks * nbytes / bw
+    t_tp = 4 * (L / pp) * micro * ring(2 * b * s * h, tp, cluster["bw_intra"])
+    bw = cluster["bw_intra"] if N <= g else cluster["bw_inter"]
+    t_dp = ring(2 * psi, dp, bw) * (1.5 if zero == 3 else 1.0)
+    return {"memory_bytes": states + acts, "step_s": t_compute + t_tp + t_dp, "states_bytes": states}
+
+
+def plan(model, cluster):
+    N = cluster["gpus"]
+    options = []
+    for tp, pp, zero in itertools.product(_divisors(N), _divisors(N), (3, 2, 1, 0)):
+        if N % (tp * pp):
+            continue
+        dp = N // (tp * pp)
+        try:
+            pred = predict(model, cluster, dp, zero, tp, pp)
+        except ValueError:
+            continue
+        if pred["memory_bytes"] <= cluster["memory_bytes"]:
+            options.append((pred["step_s"], pred["memory_bytes"], dp, zero, tp, pp, pred))
+    if not options:
+        raise ValueError("nothing fits in the GPUs' memory")
+    step, mem, dp, zero, tp, pp, pred = min(options, key=lambda o: (o[0], o[1]))
+    return {"dp": dp, "zero": zero, "tp": tp, "pp": pp, "memory_bytes": mem, "step_s": step}
 '''),
     ],
 }
