@@ -1,6 +1,6 @@
 """Lab 12's library parts against references: the activation and byte formulas, the counted idle fraction, the
 rounding bound (a correct fp32 attention lies inside it, a wrong one far outside), the overlap recorder, the thread
-all-to-all, and the run script's refusals. All in one process, in seconds."""
+all-to-all (inside a sub-group too), and the run script's refusals. All in one process, in seconds."""
 
 from __future__ import annotations
 
@@ -99,6 +99,28 @@ def test_blocking_sends_facing_each_other_fail_fast():
     assert time.perf_counter() - start < 5
 
 
+def _all_to_all_in_threads(world_size: int, fn):
+    """fn(rank) on world_size thread ranks with cp_ulysses' all-to-all fakes: ([rank 0's return, ...], logs)."""
+    import threading
+    world = rehearsal._World(world_size, 5)
+    logs = [[] for _ in range(world_size)]
+    fakes = rehearsal._fake_functions(world)
+    fakes.update(cp_ulysses._all_to_all_fakes(world, logs))
+    results = [None] * world_size
+
+    def body(rank):
+        rehearsal._local.rank = rank
+        results[rank] = fn(rank)
+
+    with rehearsal._patched(fakes):
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    return results, logs
+
+
 def test_thread_all_to_all_is_a_transpose_of_pieces():
     class Swap:   # the all-to-all by hand: rank r's piece j goes to rank j, pieces received in rank order
         @staticmethod
@@ -108,30 +130,37 @@ def test_thread_all_to_all_is_a_transpose_of_pieces():
             dist.all_to_all_single(out, x.contiguous(), group=group)
             return out
 
-    world = rehearsal._World(3, 5)
-    logs = [[] for _ in range(3)]
-    fakes = rehearsal._fake_functions(world)
-    fakes.update(cp_ulysses._all_to_all_fakes(world, logs))
-    results = [None] * 3
-
-    def body(rank):
-        rehearsal._local.rank = rank
-        results[rank] = Swap.seq_to_head(torch.arange(3.0) + 10 * rank, None)
-
-    import threading
-    with rehearsal._patched(fakes):
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
+    results, logs = _all_to_all_in_threads(3, lambda rank: Swap.seq_to_head(torch.arange(3.0) + 10 * rank, None))
     for r in range(3):
         assert results[r].tolist() == [r, 10 + r, 20 + r]
         assert logs[r] == [("all_to_all", 12)]
 
 
+def test_thread_all_to_all_stays_inside_a_sub_group():
+    """4 thread ranks cut into the groups {0, 1} and {2, 3}: rank, world size and all-to-all are the group's; a
+    call without the group is the whole world's (what an answer that ignores its group gets)."""
+    import torch.distributed as dist
+    groups = [cp_ulysses.ThreadGroup(range(0, 2), 5), cp_ulysses.ThreadGroup(range(2, 4), 5)]
+
+    def on_rank(rank):
+        group = groups[rank // 2]
+        inside, whole = torch.empty(2), torch.empty(4)
+        dist.all_to_all_single(inside, torch.arange(2.0) + 10 * rank, group=group)
+        dist.all_to_all_single(whole, torch.arange(4.0) + 10 * rank)
+        return (dist.get_rank(group), dist.get_world_size(group), dist.get_world_size(), inside.tolist(),
+                whole.tolist())
+
+    results, logs = _all_to_all_in_threads(4, on_rank)
+    for r in range(4):
+        first = 2 * (r // 2)
+        assert results[r] == (r % 2, 2, 4, [10 * first + r % 2, 10 * (first + 1) + r % 2],
+                              [10 * j + r for j in range(4)])
+        assert logs[r] == [("all_to_all", 8), ("all_to_all", 16)]
+
+
 @pytest.mark.parametrize("options,message", [({"exercise": "ring"}, "exercise"), ({"cases": ("nope",)}, "unknown"),
-                                             ({"exercise": "idle", "repeats": 0}, "at least 1")])
+                                             ({"exercise": "idle", "repeats": 0}, "at least 1"),
+                                             ({"exercise": "ulysses", "cases": ("subgroups",)}, "thread ranks")])
 def test_run_config_refuses_bad_options(options, message):
     with pytest.raises((ValueError, cfg.ConfigError), match=message):
         cfg.from_options(context_parallel.Config, options).validate()

@@ -8,7 +8,9 @@ which logs each call's message size as lablib.measure.counting does on real rank
 Checked: ``seq_to_head`` moves every value to where the contract puts it, bit for bit (a re-shard only moves
 values), and ``head_to_seq`` undoes it; ``ulysses_attention`` equals one process's attention on the whole sequence
 within lablib.probes.cp_ring's rounding bound; exactly 4 all-to-alls of B H (T/N) D values each and no other
-collective; a head count N does not divide is refused with a ValueError that names both numbers.
+collective; a head count N does not divide is refused with a ValueError that names both numbers. The case
+"subgroups" (threads only) cuts the world into two groups of consecutive ranks, each a Ulysses group of its own
+(as under data parallelism x context parallelism): every world size, rank and all-to-all must be the group's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,28 @@ CASES = {
     "batch": dict(B=2, H=12, T=24, D=4, causal=True, dtype="float32", logits=3.0),
     "float64": dict(B=1, H=12, T=12, D=8, causal=True, dtype="float64", logits=3.0),
     "noncausal": dict(B=1, H=12, T=12, D=8, causal=False, dtype="float32", logits=3.0),
+    "subgroups": dict(B=2, H=8, T=12, D=4, causal=True, dtype="float32", logits=3.0, groups=2),
 }
+
+
+class ThreadGroup:
+    """A sub-group of the thread ranks (consecutive global ranks): its own rendezvous, ranks numbered inside it."""
+
+    def __init__(self, ranks, timeout_s: float):
+        self.ranks = list(ranks)
+        self.world = rehearsal._World(len(self.ranks), timeout_s)
+        self.n = len(self.ranks)
+
+    def rank(self) -> int:
+        return self.ranks.index(rehearsal._local.rank)
+
+    def exchange(self, what: str, value) -> list:
+        """Every member's value in group-rank order (the rendezvous numbers its slots by group rank)."""
+        global_rank, rehearsal._local.rank = rehearsal._local.rank, self.rank()
+        try:
+            return self.world.exchange(what, value)
+        finally:
+            rehearsal._local.rank = global_rank
 
 
 def probe_ulysses(module, group, case_name: str, seed: int = 0, log=None) -> dict:
@@ -43,7 +66,7 @@ def probe_ulysses(module, group, case_name: str, seed: int = 0, log=None) -> dic
     kept = [t.clone() for t in (q, k, v)]
     h_r = case["H"] // n
     record = {"case": case_name, "rank": rank, "world_size": n, "element_size": q.element_size(),
-              "values": q.numel()}
+              "values": q.numel(), "groups": case.get("groups", 1)}
     with counting.count_collectives() as real_log:
         calls_before = len(log) if log is not None else 0
         heads = module.seq_to_head(q, group)
@@ -81,19 +104,27 @@ def indivisible_message(module, group, n: int) -> str:
 
 
 def _all_to_all_fakes(world, log_per_rank):
+    def members(group):
+        """The rendezvous a collective over ``group`` meets at, and this rank's place in it."""
+        if isinstance(group, ThreadGroup):
+            return group, group.rank()
+        return world, rehearsal._local.rank
+
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
         if output_split_sizes or input_split_sizes:
             raise rehearsal.RehearsalUnsupported("all_to_all_single with split sizes is not rehearsed here")
-        if input.numel() % world.n or output.numel() != input.numel():
+        meeting, me = members(group)
+        if input.numel() % meeting.n or output.numel() != input.numel():
             raise ValueError(f"all_to_all_single: input of {input.numel()} and output of {output.numel()} elements; "
-                             f"both must be equal and divisible by the {world.n} ranks")
+                             f"both must be equal and divisible by the group's {meeting.n} ranks")
         log_per_rank[rehearsal._local.rank].append(("all_to_all", input.numel() * input.element_size()))
-        values = world.exchange("all_to_all_single", input.detach().reshape(world.n, -1).clone())
+        values = meeting.exchange("all_to_all_single", input.detach().reshape(meeting.n, -1).clone())
         with torch.no_grad():
-            output.copy_(torch.cat([v[rehearsal._local.rank] for v in values]).view_as(output))
+            output.copy_(torch.cat([v[me] for v in values]).view_as(output))
         return rehearsal._Done() if async_op else None
-    return {"all_to_all_single": all_to_all_single}
+    return {"all_to_all_single": all_to_all_single, "get_rank": lambda group=None: members(group)[1],
+            "get_world_size": lambda group=None: members(group)[0].n}
 
 
 def rehearse_ulysses(module, world_size: int, cases, timeout_s: float = 20.0) -> list[list[dict]]:
@@ -101,6 +132,12 @@ def rehearse_ulysses(module, world_size: int, cases, timeout_s: float = 20.0) ->
     out = []
     for case in cases:
         world = rehearsal._World(world_size, timeout_s)
+        n_groups = CASES[case].get("groups", 1)
+        if world_size % n_groups:
+            raise ValueError(f"case {case!r} cuts the world into {n_groups} groups: world_size={world_size} must be a "
+                             f"multiple of {n_groups}")
+        size = world_size // n_groups
+        groups = [ThreadGroup(range(g * size, (g + 1) * size), timeout_s) for g in range(n_groups)]
         logs = [[] for _ in range(world_size)]
         fakes = rehearsal._fake_functions(world)
         fakes.update(_all_to_all_fakes(world, logs))
@@ -109,10 +146,12 @@ def rehearse_ulysses(module, world_size: int, cases, timeout_s: float = 20.0) ->
         def body(rank):
             rehearsal._local.rank = rank
             try:
-                results[rank] = probe_ulysses(module, None, case, log=logs[rank])
+                group = groups[rank // size] if n_groups > 1 else None
+                results[rank] = probe_ulysses(module, group, case, log=logs[rank])
             except BaseException as error:  # noqa: BLE001 - raised below
                 errors[rank] = error
-                world.barrier.abort()
+                for barrier in [world.barrier] + [g.world.barrier for g in groups]:
+                    barrier.abort()
         with rehearsal._patched(fakes):
             threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
             for t in threads:
@@ -130,6 +169,10 @@ def rehearse_ulysses(module, world_size: int, cases, timeout_s: float = 20.0) ->
 def check_ulysses(records: list[dict]) -> None:
     for r in records:
         where = f"Ulysses, case {r['case']!r}, rank {r['rank']} of {r['world_size']}"
+        if r.get("groups", 1) > 1:
+            where += (f" in its group (the world cut into {r['groups']} groups of {r['world_size']} ranks, each group "
+                      f"an attention of its own: everything seq_to_head, head_to_seq and ulysses_attention do is "
+                      f"over the group they are given)")
         n = r["world_size"]
         msg = r["indivisible"]
         checks.check_true(bool(msg) and not msg.startswith("not a ValueError") and str(n + 1) in msg and str(n) in msg,

@@ -51,6 +51,10 @@ class Config:
         unknown = [c for c in self.cases if c not in known]
         if self.exercise != "idle" and unknown:
             raise ValueError(f"cases={self.cases}: unknown {unknown}; known: {sorted(known)}")
+        threads_only = [c for c in self.cases if known.get(c, {}).get("groups", 1) > 1]
+        if self.exercise != "idle" and threads_only:
+            raise ValueError(f"cases={self.cases}: {threads_only} cut the world into groups and run on thread ranks "
+                             f"only (cp_ulysses.rehearse_ulysses); leave them out here")
         if min(self.seq_len, self.n_head, self.head_dim, self.repeats) < 1:
             raise ValueError("seq_len, n_head, head_dim and repeats must be at least 1")
 
