@@ -121,7 +121,8 @@ WRONG_ANSWERS = {
 }
 
 # The same answers written other ways: K and V as two messages, the max subtracted by hand, fully masked blocks
-# skipped; the zigzag built from a reversed list; the re-shard with torch.chunk and stack.
+# skipped; the zigzag built from a reversed list. (The re-shard's pieces cut with torch.chunk and stacked is the red
+# team's Ulysses variant, below: one torchrun start less.)
 CORRECT_VARIANTS = {
     "cp_ring_forward": [
         ("K and V sent as two messages; the max subtracted by hand; a fully masked block skipped", _changed(
@@ -146,11 +147,6 @@ CORRECT_VARIANTS = {
         ("the back chunk taken from a reversed list", _changed(
             "cp_zigzag", ("    return [torch.cat([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size)]",
                           "    back = chunks[::-1]\n    return [torch.cat((chunks[r], back[r])) for r in range(world_size)]"))),
-    ],
-    "cp_ulysses": [
-        ("the pieces for each rank cut with torch.chunk and stacked", _changed(
-            "cp_ulysses", ("    send = x.reshape(B, n, H // n, T_r, D).transpose(0, 1).contiguous()",
-                           "    send = torch.stack(torch.chunk(x, n, dim=1))"))),
     ],
 }
 
