@@ -209,14 +209,15 @@ def read_scores(lab: str, layout: CourseLayout, results: list[StudentGrade]) -> 
 
 
 def grade(lab: str, submissions: dict[str, Path], layout: CourseLayout | None = None,
-          per_student_timeout_s: float = 1800, feedback: bool = True) -> list[StudentGrade]:
-    """Autograde each student's notebook for lab (in the repository's course unless layout says otherwise)."""
+          per_student_timeout_s: float = 1800, feedback: bool = True, env: dict | None = None) -> list[StudentGrade]:
+    """Autograde each student's notebook for lab (in the repository's course unless layout says otherwise);
+    env adds to nbgrader's environment (e.g. LABLIB_CORES, a share of the machine's cores)."""
     layout = layout or CourseLayout.repository()
     prepare(lab, layout)
-    results = [grade_student(lab, student, notebook, layout, per_student_timeout_s)
+    results = [grade_student(lab, student, notebook, layout, per_student_timeout_s, env=env)
                for student, notebook in submissions.items()]
     if feedback:
-        _nbgrader(["generate_feedback", lab, "--force"], cwd=layout.root, timeout_s=600)
+        _nbgrader(["generate_feedback", lab, "--force"], cwd=layout.root, timeout_s=600, env=env)
     return read_scores(lab, layout, results)
 
 
