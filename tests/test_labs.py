@@ -14,6 +14,9 @@ import filecmp
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -25,6 +28,51 @@ LABS = labkit.labs()
 # Autograding one notebook may take at most this long on the 2-core CI machine (the solution's
 # own budget is 180 s at full size; under nbgrader sizes shrink).
 AUTOGRADE_LIMIT_S = 300
+# The background autogrades run beside the live-kernel checks: they get one core of the two, so neither
+# oversubscribes the machine (lablib.jobs.launch.available_cores reads LABLIB_CORES; parallel grading does the same).
+BACKGROUND_ENV = {"LABLIB_CORES": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass
+class LabGrading:
+    layout: course.CourseLayout
+    results: list
+
+
+class BackgroundAutogrades:
+    """nbgrader autogrades the selected labs' solution and release, one lab after another, in a thread, while
+    the live-kernel checks (test_wrong_answers_lose_points, which run first) use the other core. An autograde is
+    its own process (nbgrader and its kernel), so the two never share a kernel; the CI's wall time drops by most
+    of the autogrades' time. test_solution_full_marks_and_release_zero asserts on the results."""
+
+    def __init__(self, labs: list[str], work: Path):
+        self.work, self.started = work, time.perf_counter()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autograde")
+        self.futures: dict[str, Future] = {lab: self.pool.submit(self._grade, lab) for lab in labs}
+
+    def _grade(self, lab: str) -> LabGrading:
+        submissions = {"solution": labkit.SOLUTIONS / lab / f"{lab}.ipynb", "release": labkit.LABS / lab / f"{lab}.ipynb"}
+        layout = course.CourseLayout.isolated(self.work / lab / "course", lab)
+        results = course.grade(lab, submissions, layout, per_student_timeout_s=AUTOGRADE_LIMIT_S, feedback=True,
+                               env=BACKGROUND_ENV)
+        return LabGrading(layout, results)
+
+    def result(self, lab: str) -> LabGrading:
+        if lab not in self.futures:   # selected after the pool started (not in this session's items): grade it now
+            self.futures[lab] = self.pool.submit(self._grade, lab)
+        return self.futures[lab].result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)   # at most the running autograde is waited for
+
+
+@pytest.fixture(scope="module")
+def background_autogrades(request, tmp_path_factory):
+    labs = [lab for lab in LABS
+            if any(f"test_solution_full_marks_and_release_zero[{lab}]" in item.nodeid for item in request.session.items)]
+    autogrades = BackgroundAutogrades(labs, tmp_path_factory.mktemp("autograded"))
+    yield autogrades
+    autogrades.close()
 
 
 def _diff(a, b) -> list[str]:
@@ -101,31 +149,11 @@ def test_every_exercise_has_tests_and_a_wrong_answer(lab):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lab", LABS)
-def test_solution_full_marks_and_release_zero(lab, tmp_path, lab_times, autograded_solutions):
-    submissions = {"solution": labkit.SOLUTIONS / lab / f"{lab}.ipynb", "release": labkit.LABS / lab / f"{lab}.ipynb"}
-    layout = course.CourseLayout.isolated(tmp_path / "course", lab)
-    results = {r.student: r for r in course.grade(lab, submissions, layout,
-                                                  per_student_timeout_s=AUTOGRADE_LIMIT_S, feedback=True)}
-    solution, release = results["solution"], results["release"]
-    lab_times.setdefault(lab, {})["solution autograde"] = solution.seconds
-    lab_times[lab]["release autograde"] = release.seconds
-    assert solution.status == "ok", solution.message
-    assert solution.auto_max > 0
-    assert solution.auto_score == solution.auto_max, f"solution scored {solution.auto_score}/{solution.auto_max}: {solution.cells}"
-    assert release.status == "ok", f"the release must autograde (to zero) within {AUTOGRADE_LIMIT_S} s: {release.message}"
-    assert release.auto_score == 0, f"the unmodified release scored {release.auto_score}: {release.cells}"
-    assert (tmp_path / "course" / "feedback" / "solution" / lab / f"{lab}.html").is_file(), "no feedback HTML generated"
-    executed = tmp_path / "course" / "autograded" / "solution" / lab / f"{lab}.ipynb"
-    assert executed.is_file(), f"nbgrader left no autograded notebook at {executed}"
-    autograded_solutions[lab] = executed
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("lab", LABS)
-def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutions):
+def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutions, background_autogrades):
     """The solution runs top to bottom at the sizes a student runs (the first error fails the test at once, with
     its cell); the same kernel then switches to nbgrader's sizes, and every wrong answer must lose points there
-    and every correct variant keep them. The executed notebook is the book's page of the lab."""
+    and every correct variant keep them. The executed notebook is the book's page of the lab. (Meanwhile the
+    selected labs' solutions and releases are autograded in the background, one lab at a time.)"""
     t0 = time.perf_counter()
     wrong = labkit.wrong_answers(lab)
     report, missed, punished = [], [], []
@@ -156,3 +184,23 @@ def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutio
     print("\n".join(report))
     assert not missed, "wrong answers that lose no points:\n" + "\n".join(missed)
     assert not punished, "correct answers that lose points:\n" + "\n".join(punished)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lab", LABS)
+def test_solution_full_marks_and_release_zero(lab, lab_times, autograded_solutions, background_autogrades):
+    grading = background_autogrades.result(lab)
+    results = {r.student: r for r in grading.results}
+    solution, release = results["solution"], results["release"]
+    lab_times.setdefault(lab, {})["solution autograde"] = solution.seconds
+    lab_times[lab]["release autograde"] = release.seconds
+    assert solution.status == "ok", solution.message
+    assert solution.auto_max > 0
+    assert solution.auto_score == solution.auto_max, f"solution scored {solution.auto_score}/{solution.auto_max}: {solution.cells}"
+    assert release.status == "ok", f"the release must autograde (to zero) within {AUTOGRADE_LIMIT_S} s: {release.message}"
+    assert release.auto_score == 0, f"the unmodified release scored {release.auto_score}: {release.cells}"
+    course_dir = grading.layout.root
+    assert (course_dir / "feedback" / "solution" / lab / f"{lab}.html").is_file(), "no feedback HTML generated"
+    executed = course_dir / "autograded" / "solution" / lab / f"{lab}.ipynb"
+    assert executed.is_file(), f"nbgrader left no autograded notebook at {executed}"
+    autograded_solutions[lab] = executed
