@@ -1,5 +1,6 @@
-"""launchers/grade end to end on an LMS-style zip: partial credit, an untouched release, a corrupt file and a
-hanging notebook. The bad submissions cost their students points, never the run, and no kernel survives."""
+"""launchers/grade end to end on an LMS-style zip: partial credit, a corrupt file and a hanging notebook. The bad
+submissions cost their students points, never the run, and no kernel survives. (The untouched release's zero in
+the serial mode is test_grade_parallel.py's release student.)"""
 
 import csv
 import subprocess
@@ -12,6 +13,26 @@ import pytest
 import labkit
 
 LAB = "01_gradient_accumulation"
+HANGS = "import time\ntime.sleep(3600)\n"
+
+# One --timeout applies to every student of a run: it must let alice (lr_scaling_only) finish, and it is all that a
+# hanging student costs. Alice costs about ALICE_IDLE_S to autograde on an idle 2-core machine (nbgrader's start, a
+# kernel, torch's import through lablib.checks; measured 8.6 s of CPU, 89 s of wall at a load of 24). The timeout
+# is 4 times that, stretched by the load per core when the test starts (labkit.scaled_timeout).
+ALICE_IDLE_S = 8
+
+
+def class_timeout() -> float:
+    return labkit.scaled_timeout(4 * ALICE_IDLE_S)
+
+
+def run_grade(*args, timeout: float, students: int) -> subprocess.CompletedProcess:
+    """launchers/grade with one --timeout per student; the test itself gives up once every student could have run
+    out of it one after the other, plus the set-up and feedback (2 minutes idle, stretched by the load)."""
+    cmd = ["bash", str(labkit.REPO / "launchers" / "grade"), "01", *map(str, args), "--timeout", str(timeout)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=students * timeout + labkit.scaled_timeout(120))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def kernels_under(folder) -> list[int]:
@@ -27,9 +48,12 @@ def kernels_under(folder) -> list[int]:
 
 
 def lr_scaling_only() -> nbformat.NotebookNode:
-    """The release with exercise 4 (the learning-rate functions) answered and nothing else: 2 points."""
+    """The release with exercise 4 (the learning-rate functions) answered and nothing else: 2 points. Its set-up
+    cell keeps only the import exercise 4's check needs, so the lab's other cells stop at once (NameError) and her
+    grading costs little more than nbgrader's and the kernel's start (what the hanging students' timeout covers)."""
     nb = labkit.read(LAB, released=True)
     answer = next(c for c in labkit.read(LAB).cells if labkit.nbg(c).get("grade_id") == "lr_scaling")
+    next(c for c in nb.cells if c.cell_type == "code").source = "from lablib import checks\n"
     for cell in nb.cells:
         if labkit.nbg(cell).get("grade_id") == "lr_scaling":
             cell.source = "\n".join(line for line in answer.source.splitlines() if "### " not in line)
@@ -46,29 +70,20 @@ def first_cell_runs(code: str) -> nbformat.NotebookNode:
 
 @pytest.mark.slow
 def test_grade_a_zip_export(tmp_path):
-    release = labkit.read(LAB, released=True)
-    alice = lr_scaling_only()
-    dave = first_cell_runs("import time\ntime.sleep(3600)\n")   # dave's notebook hangs in its first code cell
-
     export = tmp_path / "export.zip"
     with zipfile.ZipFile(export, "w") as zf:
-        zf.writestr(f"alice_1001_2001_{LAB}.ipynb", nbformat.writes(alice))
-        zf.writestr(f"bob_1002_2002_{LAB}.ipynb", nbformat.writes(release))
+        zf.writestr(f"alice_1001_2001_{LAB}.ipynb", nbformat.writes(lr_scaling_only()))
         zf.writestr(f"carol_1003_2003_{LAB}.ipynb", '{"cells": [ this is not json')
-        zf.writestr(f"dave_1004_2004_{LAB}.ipynb", nbformat.writes(dave))
+        # dave's notebook hangs in its first code cell: graded last, after the others, it costs the whole timeout.
+        zf.writestr(f"dave_1004_2004_{LAB}.ipynb", nbformat.writes(first_cell_runs(HANGS)))
 
     out = tmp_path / "grades"
-    timeout = labkit.scaled_timeout(60)   # alice must finish within it (about 25 s idle); dave costs all of it
-    result = subprocess.run(["bash", str(labkit.REPO / "launchers" / "grade"), "01", str(export), "--out", str(out),
-                             "--timeout", str(timeout)], capture_output=True, text=True, timeout=900 + 4 * timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_grade(export, "--out", out, timeout=class_timeout(), students=2)
     rows = {row["student"]: row for row in csv.DictReader(open(out / "grades.csv"))}
-    assert set(rows) == {"alice", "bob", "carol", "dave"}, rows
-    max_auto = float(rows["bob"]["auto_max"])
-    assert max_auto > 2
+    assert set(rows) == {"alice", "carol", "dave"}, rows
+    assert float(rows["alice"]["auto_max"]) > 2
     assert (rows["alice"]["status"], float(rows["alice"]["auto_score"])) == ("ok", 2.0), rows["alice"]
     assert float(rows["alice"]["test_lr_scaling"]) == 2.0
-    assert (rows["bob"]["status"], float(rows["bob"]["auto_score"])) == ("ok", 0.0), rows["bob"]
     assert (rows["carol"]["status"], float(rows["carol"]["auto_score"])) == ("unreadable", 0.0)
     assert (rows["dave"]["status"], float(rows["dave"]["auto_score"])) == ("timeout", 0.0)
     assert float(rows["alice"]["manual_max_pending"]) > 0, "free-text answers are left for manual grading"
