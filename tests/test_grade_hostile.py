@@ -3,7 +3,6 @@ the run or another student. Each hostile notebook does its damage in its first c
 are set low (the CLI's --job-* options) so the planted damage stays cheap."""
 
 import csv
-import subprocess
 
 import nbformat
 import psutil
@@ -11,12 +10,14 @@ import pytest
 
 import labkit
 from instructor.parallel_grade import JOB_MARKER
-from test_grade_cli import first_cell_runs, lr_scaling_only
+from test_grade_cli import HANGS, class_timeout, first_cell_runs, lr_scaling_only, run_grade
 
 LAB = "01_gradient_accumulation"
 
+# Students are graded in the order of their names, 3 at a time: "asleep" (the one that hangs) starts at once beside
+# alice, so its timeout runs while she is graded and the other three are stopped one after the other.
 HOSTILE = {
-    "hangs": "import time\ntime.sleep(3600)\n",
+    "asleep": HANGS,
     "forks": "import os, time\nfor _ in range(40):\n    if os.fork() == 0:\n        time.sleep(3600)\n        os._exit(0)\n"
              "time.sleep(3600)\n",
     "fills_disk": "import os, tempfile, time\nfor i in range(12):\n"
@@ -49,16 +50,11 @@ def test_hostile_submissions_cost_their_student_only(tmp_path):
         nbformat.write(nb, subs / student / f"{LAB}.ipynb")
 
     out = tmp_path / "grades"
-    # One timeout for every student: alice must finish within it, and the hanging student costs all of it. Alice
-    # takes about 25 s on an idle 2-core machine, several times that on a loaded one.
-    timeout = labkit.scaled_timeout(60)
-    result = subprocess.run(["bash", str(labkit.REPO / "launchers" / "grade"), "01", str(subs), "--out", str(out),
-                             "--jobs", "3", "--timeout", str(timeout), "--job-memory", "1", "--job-disk", "0.25",
-                             "--job-processes", "24"], capture_output=True, text=True, timeout=900 + 4 * timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_grade(subs, "--out", out, "--jobs", "3", "--job-memory", "1", "--job-disk", "0.25", "--job-processes", "24",
+              timeout=class_timeout(), students=2)
     rows = {row["student"]: row for row in csv.DictReader(open(out / "grades.csv"))}
     status = {s: (row["status"], float(row["auto_score"])) for s, row in rows.items()}
-    assert status == {"alice": ("ok", 2.0), "hangs": ("timeout", 0.0), "forks": ("limits", 0.0),
+    assert status == {"alice": ("ok", 2.0), "asleep": ("timeout", 0.0), "forks": ("limits", 0.0),
                       "fills_disk": ("limits", 0.0), "eats_memory": ("limits", 0.0)}, rows
     assert "processes" in rows["forks"]["message"] and "memory" in rows["eats_memory"]["message"]
     assert "disk" in rows["fills_disk"]["message"], rows["fills_disk"]["message"]
