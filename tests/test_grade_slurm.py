@@ -8,7 +8,7 @@ import nbformat
 import pytest
 
 import labkit
-from test_grade_cli import first_cell_runs, lr_scaling_only
+from test_grade_cli import HANGS, class_timeout, first_cell_runs, lr_scaling_only
 from test_grade_parallel import gradebook_scores
 from test_multinode import slurm_cluster  # noqa: F401 - the fixture
 
@@ -19,15 +19,16 @@ LAB = "01_gradient_accumulation"
 def test_a_slurm_job_array_grades_the_class(slurm_cluster, tmp_path):  # noqa: F811 - the imported fixture
     env, _ = slurm_cluster
     subs = tmp_path / "submissions"
-    notebooks = {"alice": lr_scaling_only(), "bob": first_cell_runs("import time\ntime.sleep(3600)\n")}
+    # bob's task hangs while alice's is graded beside it: the per-student timeout reaches the array's tasks.
+    notebooks = {"alice": lr_scaling_only(), "bob": first_cell_runs(HANGS)}
     for student, nb in notebooks.items():
         (subs / student).mkdir(parents=True)
         nbformat.write(nb, subs / student / f"{LAB}.ipynb")
     out = tmp_path / "grades"
-    timeout = labkit.scaled_timeout(60)   # as in test_grade_hostile.py
+    timeout = class_timeout()
     result = subprocess.run(["bash", str(labkit.REPO / "launchers" / "grade"), "01", str(subs), "--out", str(out),
                              "--slurm", "--slurm-tasks", "2", "--timeout", str(timeout)],
-                            env=env, capture_output=True, text=True, timeout=900 + 4 * timeout)
+                            env=env, capture_output=True, text=True, timeout=timeout + labkit.scaled_timeout(180))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Slurm job array" in result.stdout and "2/2 done, 1 failed" in result.stdout, result.stdout
     rows = {row["student"]: row for row in csv.DictReader(open(out / "grades.csv"))}
