@@ -1,17 +1,25 @@
-"""Lab 00's exercise 2 watched on the ranks: pass-through wrappers around the calls a torchrun script's setup makes
-(``init_process_group``, ``set_device``, ``torch.save`` / ``torch.load``, ``barrier``), recording how they were made, with
-a simulated ``torch.cuda`` and a slow file system (``lablib.runs.collectives_job`` runs the scenarios)."""
+"""Lab 00's torchrun scripts watched. Exercise 2: pass-through wrappers around the calls a script's setup makes
+(``init_process_group``, ``set_device``, ``torch.save`` / ``torch.load``, ``barrier``) record how they were made, with a
+simulated ``torch.cuda`` and a slow file system (``lablib.runs.collectives_job`` runs the scenarios); ``simulated_setup``
+(simulated GPUs, a second node) runs on the torchrun ranks and, first, in the notebook's process (``rehearse_setups``,
+one local rank at a time in a group of one). Exercise 3: ``rehearse_script`` runs the script on thread ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
 from lablib.jobs import distenv
+from lablib.jobs.exercise import load_module
+
+REQUIRED = ("setup_distributed", "log0", "checkpoint_round_trip", "run_job")
+JOB_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
 def device_text(device) -> str:
@@ -133,11 +141,20 @@ class Recorder:
         return refused
 
     def install(self) -> None:
+        self._distenv_real = {name: getattr(distenv, name) for name in ("from_env", "select_backend_and_device", "distributed")}
         dist.init_process_group, dist.destroy_process_group = self.init, self.destroy
         dist.barrier, dist.monitored_barrier = self.barrier, self.monitored_barrier
         torch.save, torch.load = self.save, self.load
-        for name in ("from_env", "select_backend_and_device", "distributed"):
+        for name in self._distenv_real:
             setattr(distenv, name, self.refuse_lablib(name))
+
+    def uninstall(self) -> None:
+        """Put back what ``install`` replaced (a rehearsal in the notebook's own process ends so)."""
+        dist.init_process_group, dist.destroy_process_group = self.real["init"], self.real["destroy"]
+        dist.barrier, dist.monitored_barrier = self.real["barrier"], self.real["monitored_barrier"]
+        torch.save, torch.load = self.real["save"], self.real["load"]
+        for name, fn in self._distenv_real.items():
+            setattr(distenv, name, fn)
 
     def simulate_gpus(self, count: int | None) -> None:
         """torch.cuda reports ``count`` GPUs (None: the real answer)."""
@@ -156,6 +173,156 @@ class Recorder:
         if rank is None:
             dist.get_rank, dist.get_world_size = self._dist_real
             return
-        self._dist_real = dist.get_rank, dist.get_world_size
-        dist.get_rank = lambda group=None: rank if group is None else self._dist_real[0](group)
-        dist.get_world_size = lambda group=None: world_size if group is None else self._dist_real[1](group)
+        self._dist_real = get_rank, get_world_size = dist.get_rank, dist.get_world_size
+        # the real call first: before init_process_group it raises, as it would in a real job
+        dist.get_rank = lambda group=None: (get_rank(), rank)[1] if group is None else get_rank(group)
+        dist.get_world_size = lambda group=None: (get_world_size(), world_size)[1] if group is None else get_world_size(group)
+
+
+def describe_info(info) -> dict:
+    """The student's info dict as JSON (device as text)."""
+    if not isinstance(info, dict):
+        return {"not_a_dict": repr(info)[:200]}
+    return {k: (str(v) if isinstance(v, torch.device) else v if isinstance(v, (int, str, float)) else repr(v)[:100])
+            for k, v in info.items()}
+
+
+@contextlib.contextmanager
+def job_environment(**values):
+    """RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE set to ``values`` while the block runs, then put back."""
+    saved = {name: os.environ.get(name) for name in JOB_ENV}
+    os.environ.update({name: str(value) for name, value in values.items()})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def simulated_setup(impl, rec: Recorder, scenario: str, local_rank: int, local_world_size: int, timeout_s: float) -> dict:
+    """``impl.setup_distributed(timeout_s)`` on local rank ``local_rank`` of ``local_world_size``, ``torch.cuda``
+    reporting K GPUs: ``gpus:K`` on a job of one node, ``node2:K`` on the second node of two (RANK = w + r,
+    WORLD_SIZE = 2 w, and ``dist.get_rank()`` / ``get_world_size()`` say so). What it returned (or raised), the
+    ``init_process_group`` and ``set_device`` calls; the group it made is destroyed afterwards."""
+    kind, _, gpus = scenario.partition(":")
+    node = 1 if kind == "node2" else 0
+    rank, world_size = node * local_world_size + local_rank, (node + 1) * local_world_size
+    out = {}
+    with job_environment(RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=world_size, LOCAL_WORLD_SIZE=local_world_size):
+        rec.simulate_node(rank, world_size)
+        rec.simulate_gpus(int(gpus))
+        try:
+            out["info"] = describe_info(impl.setup_distributed(timeout_s))
+        except BaseException as exc:  # noqa: BLE001 - the student's error is a finding
+            out.update(error=f"{type(exc).__name__}: {str(exc).strip()[:300]}", traceback=traceback.format_exc()[-1500:])
+        finally:
+            rec.simulate_gpus(None)
+            rec.simulate_node(None, None)
+    if dist.is_initialized():
+        rec.real["destroy"]()
+    return {**out, "inits": rec.inits, "set_devices": rec.set_devices}
+
+
+def rehearse_setups(path: str, scenarios, local_world_size: int, timeout_s: float) -> dict:
+    """The ``gpus:K`` and ``node2:K`` scenarios of exercise 2 in this process: {scenario: {local rank: record}}, the
+    records ``simulated_setup`` makes on the torchrun ranks. Each simulated rank joins a gloo group of one (its
+    own store), so the rehearsal takes milliseconds; everything it replaced is put back afterwards."""
+    if dist.is_initialized():
+        raise RuntimeError("rehearse_setups needs this process without a process group (destroy it first)")
+    rec = Recorder(0, 1, save_delay_s=0.0)
+    rec.store = dist.HashStore()
+    rec.install()
+    found = {}
+    try:
+        impl = load_module(path, required=REQUIRED)
+        for scenario in scenarios:
+            for local_rank in range(local_world_size):
+                rec.reset(f"rehearsal/{scenario}/{local_rank}", 1)
+                found.setdefault(scenario, {})[local_rank] = simulated_setup(impl, rec, scenario, local_rank,
+                                                                             local_world_size, timeout_s)
+    finally:
+        rec.uninstall()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return found
+
+
+def rehearse_script(path: str, world_size: int) -> dict | None:
+    """A whole torchrun script (lab 00's exercise 3) as ``__main__`` on ``world_size`` thread ranks of this process
+    (``lablib.probes.rehearsal``; init and destroy do nothing): {"rank_output": {rank: its prints, then the "@@calls"
+    line of ``lablib.runs.collectives_job --counted``}, "deadlock": None or what hung}. One rank runs at a time between
+    collectives (the global random generator is drawn as on separate processes); before each collective the ranks
+    compare what they call, so another collective, another root or an ended script is the hang, named at once.
+    None where threads cannot stand in for processes (a call not rehearsed, the script raised): the real run judges."""
+    import io
+    import json
+    import runpy
+    import sys
+    import threading
+
+    from lablib.probes import rehearsal
+
+    baton, local, world_of = threading.Lock(), threading.local(), {}
+    printed, calls = {r: io.StringIO() for r in range(world_size)}, {r: [] for r in range(world_size)}
+
+    def agreed(name, src=None):
+        seen = world_of["world"].exchange(name, (name, src))
+        if len(set(seen)) > 1:
+            said = ", ".join(f"rank {r}: " + ("its script ended" if n == "end" else f"{n}" + (f"(src={s})" if s is not None else ""))
+                             for r, (n, s) in enumerate(seen))
+            raise rehearsal.RehearsalDeadlock(f"the ranks' next collectives differ ({said}): on real ranks a hang until "
+                                              f"the collective timeout")
+
+    def more_fakes(world, _):
+        world_of["world"], base = world, rehearsal._fake_functions(world)
+
+        def turn(name):
+            def call(*args, **kwargs):
+                tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
+                src = kwargs.get("src", args[1] if len(args) > 1 else 0) if name == "broadcast" else None
+                baton.release()                               # the other ranks run while this one waits
+                try:
+                    agreed(name, src)
+                    calls[local.rank].append([name, 0 if tensor is None else tensor.numel() * tensor.element_size()])
+                    return base[name](*args, **kwargs)
+                finally:
+                    baton.acquire()
+            return call
+
+        fakes = {name: turn(name) for name in ("broadcast", "all_reduce", "barrier")}
+        for name in set(base) - set(fakes) - {"get_rank", "get_world_size", "is_initialized"}:
+            fakes[name] = base["new_group"]                   # not rehearsed here: RehearsalUnsupported
+        return {**fakes, "init_process_group": lambda *a, **k: None, "destroy_process_group": lambda *a, **k: None}
+
+    def run(rank):
+        local.rank = rank
+        baton.acquire()
+        try:
+            runpy.run_path(path, run_name="__main__")
+        finally:
+            baton.release()
+        agreed("end")
+
+    class Routed(io.TextIOBase):
+        def write(self, text):
+            printed[getattr(local, "rank", 0)].write(text)
+            return len(text)
+
+    saved_out, deadlock = sys.stdout, None
+    try:
+        with job_environment(WORLD_SIZE=world_size, LOCAL_WORLD_SIZE=world_size):
+            os.environ.pop("RANK", None), os.environ.pop("LOCAL_RANK", None)   # no rank to read there (put back after)
+            sys.stdout = Routed()
+            try:
+                rehearsal.run_in_thread_ranks(world_size, run, more_fakes=more_fakes)
+            finally:
+                sys.stdout = saved_out
+    except rehearsal.RehearsalDeadlock as exc:
+        deadlock = str(exc)
+    except (Exception, SystemExit):  # noqa: BLE001 - not rehearsed (or the script raised): the real run shows it
+        return None
+    return {"deadlock": deadlock,
+            "rank_output": {r: printed[r].getvalue() + f"@@calls {json.dumps(calls[r])}\n" for r in range(world_size)}}

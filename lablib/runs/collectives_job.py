@@ -48,7 +48,6 @@ import io
 import json
 import os
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,13 +55,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lablib.jobs import distenv, processes
+from lablib.jobs import processes
 from lablib.jobs.exercise import load_module
-from lablib.probes.job_setup import Recorder, device_text
+from lablib.probes.job_setup import REQUIRED, Recorder, job_environment, simulated_setup
 
 MARKER = "@@job "
 CALLS_MARKER = "@@calls "
-REQUIRED = ("setup_distributed", "log0", "checkpoint_round_trip", "run_job")
 
 
 @dataclass(frozen=True)
@@ -82,14 +80,6 @@ class Config:
                     or (size and not (size.isdigit() and int(size) >= 1))):
                 raise ValueError(f"scenario {s!r}: choose ok, error, gpus:K or node2:K (K simulated GPUs), "
                                  f"optionally followed by @w to run it on w ranks")
-
-
-def describe_info(info) -> dict:
-    """The student's info dict as JSON (device as text)."""
-    if not isinstance(info, dict):
-        return {"not_a_dict": repr(info)[:200]}
-    return {k: (str(v) if isinstance(v, torch.device) else v if isinstance(v, (int, str, float)) else repr(v)[:100])
-            for k, v in info.items()}
 
 
 def train_ok(info) -> dict:
@@ -117,36 +107,24 @@ def _run_scenario(scenario: str, impl, config: Config, rec: Recorder, world_size
     if rec.rank >= size:
         return {**out, "sat_out": True}
     rec.reset(scenario, size)
-    saved_env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ.update(WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))     # a job of `size` ranks
-    node2 = name.startswith("node2:")
-    if node2:                                     # the second node of two: RANK != LOCAL_RANK
-        os.environ.update(RANK=str(size + rec.rank), LOCAL_RANK=str(rec.rank), WORLD_SIZE=str(2 * size))
-        rec.simulate_node(size + rec.rank, 2 * size)
-    # a name of this run's own: a file left by an earlier run must not stand in for rank 0's save
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")[-8:]
-    path = Path(config.checkpoint_dir) / f"checkpoint_{scenario.replace(':', '_').replace('@', '_')}_{run_id}.pt"
-    try:
-        if name.startswith(("gpus:", "node2:")):
-            rec.simulate_gpus(int(name.partition(":")[2]))
+    if name.startswith(("gpus:", "node2:")):
+        out.update(simulated_setup(impl, rec, name, rec.rank, size, config.setup_timeout_s))
+    else:
+        # a name of this run's own: a file left by an earlier run must not stand in for rank 0's save
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")[-8:]
+        path = Path(config.checkpoint_dir) / f"checkpoint_{scenario.replace(':', '_').replace('@', '_')}_{run_id}.pt"
+        with job_environment(RANK=rec.rank, LOCAL_RANK=rec.rank, WORLD_SIZE=size, LOCAL_WORLD_SIZE=size):
             try:
-                out["info"] = describe_info(impl.setup_distributed(config.setup_timeout_s))
-            finally:
-                rec.simulate_gpus(None)
-        elif name == "ok":
-            loaded = impl.run_job(train_ok, str(path), config.timeout_s)
-            out["loaded"] = {k: {"values": v.tolist(), "device": str(v.device), "dtype": str(v.dtype)}
-                             if isinstance(v, torch.Tensor)
-                             else repr(v)[:100] for k, v in loaded.items()} if isinstance(loaded, dict) else repr(loaded)[:200]
-        else:
-            impl.run_job(train_error, str(path), config.timeout_s)
-    except BaseException as exc:  # noqa: BLE001 - the student's error is a finding, reported to the notebook
-        out["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-        out["traceback"] = traceback.format_exc()[-1500:]
-    finally:
-        if node2:
-            rec.simulate_node(None, None)
-    os.environ.update(saved_env)
+                if name == "ok":
+                    loaded = impl.run_job(train_ok, str(path), config.timeout_s)
+                    out["loaded"] = {k: {"values": v.tolist(), "device": str(v.device), "dtype": str(v.dtype)}
+                                     if isinstance(v, torch.Tensor)
+                                     else repr(v)[:100] for k, v in loaded.items()} if isinstance(loaded, dict) else repr(loaded)[:200]
+                else:
+                    impl.run_job(train_error, str(path), config.timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - the student's error is a finding, reported to the notebook
+                out["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+                out["traceback"] = traceback.format_exc()[-1500:]
     out.update(inits=rec.inits, destroys=rec.destroys, saves=rec.saves, loads=rec.loads,
                set_devices=rec.set_devices, lablib_calls=rec.lablib_calls,
                initialized_after=dist.is_initialized())

@@ -2,7 +2,8 @@
 released notebook) come from ``redteam_00_collectives.py`` beside this file and are added to each list. Where one of
 ours made the same mistake as one of the red team's, caught by the same check, the red team's is kept (ours dropped:
 all_reduce summing in place into inputs[0]; reduce_scatter by torch.chunk without the divisibility error;
-destroy_process_group outside a finally)."""
+destroy_process_group outside a finally; and the correct variant that asks rank 0's decision before averaging, which
+the red team's "the fix the other way round" is)."""
 
 import importlib.util
 from pathlib import Path
@@ -398,13 +399,6 @@ def setup_distributed(timeout_s=60.0):
     return {"rank": dist.get_rank(), "local_rank": local_rank, "world_size": dist.get_world_size(),
             "backend": backend, "device": device}
 ''' + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
-    ],
-    "fix_script": [
-        ("asks rank 0's decision first on every rank, then averages", _FIXED_HEAD + '''            if rank == 0:
-                print(f"step {step:2d}: loss on rank 0 {loss.item():.5f}", flush=True)
-            stop = should_stop(loss)
-            average_gradients(model, world_size)
-''' + _FIXED_TAIL),
     ],
 }
 
