@@ -3,6 +3,9 @@ shard layout as the exercise's probe makes it, and the planner's reference on ca
 
 from __future__ import annotations
 
+import importlib.util
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -10,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 from instructor.references import strategy_planner as planner
 from lablib.measure import rankcheck
 from lablib.parallel.strategies import merge_qkv
+from lablib.parallel.strategy_rows import DeepSpeedZeRO, TorchDDPStandIn
 from lablib.probes.strategy_shards import dtensor_shards
 from lablib.runs.strategy_benchmark import Config, weight_bound
 
@@ -31,6 +35,39 @@ def test_merge_qkv_puts_q_k_v_back_in_order():
                         "wte.weight": torch.zeros(1)})
     assert set(merged) == {"h.0.attn.c_attn.weight", "wte.weight"}
     assert torch.equal(merged["h.0.attn.c_attn.weight"], torch.cat([q, k, v]))
+
+
+@pytest.mark.parametrize("bucket_size_mb", [0, -1.0])
+def test_lab06_standin_refuses_a_bucket_size_that_is_not_positive(bucket_size_mb):
+    # checked before DDP is built: no process group needed to see the message
+    with pytest.raises(ValueError, match="must be positive"):
+        TorchDDPStandIn(torch.nn.Linear(2, 2), bucket_size_mb=bucket_size_mb)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_rows_are_fp32_and_unclipped_like_the_loop(stage):
+    # DeepSpeed clips the global gradient norm to 1.0 unless the config says 0.0 (its GRADIENT_CLIPPING_DEFAULT);
+    # the loop's other rows never clip, and no fp16/bf16 section keeps DeepSpeed in fp32
+    config = DeepSpeedZeRO(SimpleNamespace(), stage).ds_config()
+    assert config["gradient_clipping"] == 0.0 and config["zero_optimization"]["stage"] == stage
+    assert not {"fp16", "bf16", "amp"} & set(config)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is optional and not installed with the course: the rows are checked where it is")
+def test_deepspeed_rows_end_where_one_process_does():
+    import torch
+
+    from lablib.jobs import launch
+
+    env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
+    rows = ("single", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+    result = launch.run("strategy_benchmark", {"impl": "", "rounds": 0, "rows": rows}, nproc=2, timeout_s=540,
+                        env=env, quiet=True, show_progress=False).metrics
+    for row in rows[1:]:
+        r = result.rows[row]
+        assert "error" not in r, r.get("error")
+        assert r.max_abs_diff <= result.bound and r.rank_spread == 0.0, (row, r.max_abs_diff, result.bound)
 
 
 @pytest.mark.parametrize("rows, n, sizes", [(65, 4, [17, 17, 17, 14]), (5, 4, [2, 2, 1, 0]), (8, 2, [4, 4])])

@@ -4,9 +4,9 @@ The students' files (``%%writefile`` cells of labs 06, 07 and 08) are looked up 
 (``labs_dir``, the folder holding ``06_ddp_from_scratch/`` ...). A file that is missing, or still holds the released
 stubs, is replaced by a stand-in built on PyTorch, never on the earlier lab's answer (students install lablib):
 
-- lab 06's ``DDPIndividualParameters`` / ``DDPBucketed``: ``SyncAfterBackward``, which all-reduces every gradient
-  once the backward is over, in ``finish_gradient_synchronization`` (no hooks, no overlap, no buckets: the contract of
-  lab 06's classes, not their algorithm). A strategy that forgets to call it leaves the ranks apart;
+- lab 06's ``DDPIndividualParameters`` / ``DDPBucketed``: ``TorchDDPStandIn``, PyTorch's own DDP given lab 06's
+  constructor and ``finish_gradient_synchronization`` (lab 06's contract, PyTorch's algorithm; DDP's gradients are
+  already averaged when its backward returns, so the method has nothing left to do);
 - lab 07's ``ShardedOptimizer(params, optimizer_cls, **hyper)``: PyTorch's ``ZeroRedundancyOptimizer``;
 - lab 08's ``TensorParallelMLP`` / ``TensorParallelAttention``: the row runs ``DTensorTP`` (``parallelize_module``).
 
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib.jobs.exercise import unwritten
 from lablib.parallel import tensor_parallel as tp_lib
@@ -30,28 +31,21 @@ from lablib.parallel.strategies import Strategy, merge_qkv
 LAB06, LAB07, LAB08 = "06_ddp_from_scratch", "07_zero_from_scratch", "08_tensor_parallel"
 
 
-class SyncAfterBackward(nn.Module):
-    """Stand-in for lab 06's classes: the module, rank 0's weights broadcast at construction, and every gradient
-    all-reduced and divided by N in ``finish_gradient_synchronization`` (after the backward, not during it)."""
+class TorchDDPStandIn(DDP):
+    """Stand-in for lab 06's classes: PyTorch's DDP behind their constructor, ``cls(module, bucket_size_mb=None)``.
+
+    DDP broadcasts rank 0's parameters and buffers when it is built and all-reduces its buckets (averaged) inside
+    the backward; its reducer's ``finalize_backward`` (torch/csrc/distributed/c10d/reducer.hpp) has waited for them
+    when ``backward()`` returns, so lab 06's ``finish_gradient_synchronization`` has nothing left to do.
+    ``gradient_as_bucket_view``: the gradients are the buckets (no second copy), as in the ``torch_ddp`` row."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | None = None):
-        super().__init__()
         if bucket_size_mb is not None and not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb} must be positive")
-        self.module, self.bucket_size_mb, self.world_size = module, bucket_size_mb, dist.get_world_size()
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-
-    def forward(self, *inputs, **named):
-        output = self.module(*inputs, **named)
-        return output
+        super().__init__(module, bucket_cap_mb=bucket_size_mb, gradient_as_bucket_view=True)
 
     def finish_gradient_synchronization(self):
-        for p in self.module.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.world_size)
+        """Lab 06's contract; DDP's backward has already finished the all-reduces."""
 
 
 def sharded_optimizer_standin(params, optimizer_cls, **hyper):
@@ -83,10 +77,10 @@ def lab_modules(labs_dir: str, standins: bool = False) -> tuple[SimpleNamespace,
                    else "still the released stubs")
             source[key] = f"stand-in: {standin_text} ({lab}/{file} {why}: lab {lab[:2]} writes it)"
 
-    take("individual", LAB06, "ddp_individual_impl.py", ("DDPIndividualParameters",), load_impl, SyncAfterBackward,
-         "all-reduce after the backward")
-    take("bucketed", LAB06, "ddp_bucketed_impl.py", ("DDPBucketed",), load_bucketed_impl, SyncAfterBackward,
-         "all-reduce after the backward")
+    take("individual", LAB06, "ddp_individual_impl.py", ("DDPIndividualParameters",), load_impl, TorchDDPStandIn,
+         "PyTorch's DDP")
+    take("bucketed", LAB06, "ddp_bucketed_impl.py", ("DDPBucketed",), load_bucketed_impl,
+         TorchDDPStandIn, "PyTorch's DDP")
     take("sharded_optimizer", LAB07, "zero1_impl.py", ("ShardedOptimizer",), load_impl, sharded_optimizer_standin,
          "ZeroRedundancyOptimizer")
     mlp, attn = root / LAB08 / "tp_mlp_impl.py", root / LAB08 / "tp_attention_impl.py"
@@ -163,19 +157,30 @@ class DeepSpeedZeRO(Strategy):
     around the loop's own optimizer (``zero_allow_untested_optimizer``: SGD is not one of DeepSpeed's). Optional:
     it needs ``pip install --no-build-isolation deepspeed`` and, on CPU, ``DS_ACCELERATOR=cpu`` (its shared-memory
     op is built with ninja and a C++ compiler the first time). ``engine.step()`` steps and clears the gradients;
-    the loop's optimizer is a thin handle on it."""
+    the loop's optimizer is a thin handle on it.
+
+    ``gradient_clipping: 0.0``: DeepSpeed clips the gradients' global norm to 1.0 when the config says nothing
+    (deepspeed 0.19.8, runtime/constants.py:203 ``GRADIENT_CLIPPING_DEFAULT = 1.0``, applied in
+    runtime/zero/stage_1_and_2.py:3199-3207 and stage3.py:2982-2985), which the other rows do not do. The course
+    GPT's first gradient has norm ~3.5, so a config without the key steps by 0.29 of the gradient and misses the
+    weight check by ~3 orders of magnitude; with it, the three stages end where PyTorch's DDP does (1.5e-8 from one
+    process after the harness's 3 steps, the ranks bit-identical)."""
 
     def __init__(self, env, stage: int):
         super().__init__(env)
         self.stage, self.name = stage, f"deepspeed_zero{stage}"
 
+    def ds_config(self) -> dict:
+        """The ``ds_config``: ZeRO at this stage, fp32 (no fp16/bf16 section), no clipping (see the docstring)."""
+        return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": self.stage}, "zero_allow_untested_optimizer": True,
+                "gradient_clipping": 0.0}
+
     def wrap_optimizer(self, model, optimizer_cls, **hyper):
         import deepspeed
 
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": self.stage}, "zero_allow_untested_optimizer": True}
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_cls(model.parameters(), **hyper),
-                                                    config=config)
+                                                    config=self.ds_config())
         return _EngineStep(self.engine)
 
     def forward_backward(self, model, x, y):
@@ -195,7 +200,12 @@ class _EngineStep:
     """The loop's ``opt.zero_grad()`` / ``opt.step()`` on a DeepSpeed engine (whose step also clears the gradients)."""
 
     def __init__(self, engine):
-        self.engine, self.state = engine, {}
+        self.engine = engine
+
+    @property
+    def state(self):
+        """DeepSpeed's ZeRO optimizer's state (its inner optimizer's, per flat fp32 partition): the storage count's."""
+        return self.engine.optimizer.state
 
     def zero_grad(self):
         pass
