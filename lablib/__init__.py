@@ -84,10 +84,10 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.cp_ring``         lab 12's ring attention forward and backward on ranks vs one process
 - ``lablib.probes.cp_split``        lab 12's zigzag split and idle fraction checked by their properties
 - ``lablib.probes.cp_ulysses``      lab 12's Ulysses re-shard on ranks (bit for bit, all-to-alls counted)
+- ``lablib.probes.group_rehearsal`` labs 12 and 13 on thread ranks: all_to_all_single (equal or uneven), sub-groups
 - ``lablib.probes.expert_parallel`` lab 13's probes as the notebook reaches them (capacity and loss properties)
 - ``lablib.probes.ep_dispatch``     lab 13's dispatch and combine on ranks vs one process (values, rows, bytes)
 - ``lablib.probes.ep_grads``        lab 13's gradient reduction on a dp x ep mesh (values, groups)
-- ``lablib.probes.ep_rehearsal``    all_to_all_single with uneven splits, and sub-groups, on thread ranks
 
 - ``lablib.checks``    the assertions the notebooks' checks use (clear messages, with hints)
 - ``lablib.runs``      the multi-process steps, one module per step; a step never imports another

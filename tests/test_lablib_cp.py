@@ -4,16 +4,19 @@ all-to-all (inside a sub-group too), and the run script's refusals. All in one p
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from lablib import checks
 from lablib.course import cp_model
 from lablib.jobs import config as cfg
 from lablib.measure.memory import SavedActivations
-from lablib.probes import cp_ring, cp_ulysses, rehearsal
+from lablib.probes import cp_ring, cp_ulysses, group_rehearsal, rehearsal
 from lablib.probes.cp_events import OverlapComm
 from lablib.probes.ring_rehearsal import run_in_threads
 from lablib.runs import context_parallel
@@ -100,24 +103,10 @@ def test_blocking_sends_facing_each_other_fail_fast():
 
 
 def _all_to_all_in_threads(world_size: int, fn):
-    """fn(rank) on world_size thread ranks with cp_ulysses' all-to-all fakes: ([rank 0's return, ...], logs)."""
-    import threading
-    world = rehearsal._World(world_size, 5)
+    """fn(rank) on world_size thread ranks with the sub-group fakes cp_ulysses rehearses with: (returns, logs)."""
     logs = [[] for _ in range(world_size)]
-    fakes = rehearsal._fake_functions(world)
-    fakes.update(cp_ulysses._all_to_all_fakes(world, logs))
-    results = [None] * world_size
-
-    def body(rank):
-        rehearsal._local.rank = rank
-        results[rank] = fn(rank)
-
-    with rehearsal._patched(fakes):
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
+    results = rehearsal.run_in_thread_ranks(world_size, fn, timeout_s=5,
+                                            more_fakes=functools.partial(group_rehearsal.fakes, log=logs))
     return results, logs
 
 
@@ -140,7 +129,7 @@ def test_thread_all_to_all_stays_inside_a_sub_group():
     """4 thread ranks cut into the groups {0, 1} and {2, 3}: rank, world size and all-to-all are the group's; a
     call without the group is the whole world's (what an answer that ignores its group gets)."""
     import torch.distributed as dist
-    groups = [cp_ulysses.ThreadGroup(range(0, 2), 5), cp_ulysses.ThreadGroup(range(2, 4), 5)]
+    groups = [group_rehearsal.ThreadGroup(range(0, 2)), group_rehearsal.ThreadGroup(range(2, 4))]
 
     def on_rank(rank):
         group = groups[rank // 2]
@@ -156,6 +145,47 @@ def test_thread_all_to_all_stays_inside_a_sub_group():
         assert results[r] == (r % 2, 2, 4, [10 * first + r % 2, 10 * (first + 1) + r % 2],
                               [10 * j + r for j in range(4)])
         assert logs[r] == [("all_to_all", 8), ("all_to_all", 16)]
+
+
+def _ulysses_module(*replacements):
+    """The red team's Ulysses answer (tests/wrong_answers), each (old, new) replaced, as a module."""
+    import importlib.util
+    import types
+    path = Path(__file__).parent / "wrong_answers" / "redteam_12_context_parallel.py"
+    spec = importlib.util.spec_from_file_location("redteam_12", path)
+    redteam = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(redteam)
+    source = redteam._ULY.split("\n", 1)[1]                          # without the %%writefile line
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    module = types.ModuleType("cp_ulysses_impl")
+    exec(compile(source, "cp_ulysses_impl.py", "exec"), module.__dict__)
+    return module
+
+
+_A2A = "dist.all_to_all_single(recv, send, group=group)"
+
+
+@pytest.mark.parametrize("replacements, passes", [
+    ((), True),
+    (((_A2A, "dist.all_to_all_single(recv, send, [len(recv) // n] * n, [len(send) // n] * n, group=group)"),), True),
+    (((_A2A, "dist.all_to_all_single(recv, send, group=group, async_op=True).wait()"),), True),
+    (((_A2A, "dist.all_to_all_single(recv, send, group=group, async_op=True)"),), False),     # never waited on
+    (((_A2A, "dist.all_to_all_single(recv, send)"),), False),                                # the world, not the group
+    (((_A2A, "dist.all_to_all_single(recv, send, group=group); dist.all_reduce(torch.zeros(1), group=group)"),),
+     False),                                                                                  # a fifth collective
+])
+def test_ulysses_rehearsal_on_two_sub_groups(replacements, passes):
+    """4 thread ranks in two Ulysses groups of 2 (case "subgroups"): a correct answer however it waits or splits
+    passes; one that ignores its group, never waits or calls another collective fails the check."""
+    records = cp_ulysses.rehearse_ulysses(_ulysses_module(*replacements), 4, ("subgroups",))[0]
+    assert [(r["rank"], r["world_size"], r["groups"]) for r in records] == [(0, 2, 2), (1, 2, 2), (0, 2, 2), (1, 2, 2)]
+    if passes:
+        cp_ulysses.check_ulysses(records)
+    else:
+        with pytest.raises(checks.CheckFailed):
+            cp_ulysses.check_ulysses(records)
 
 
 @pytest.mark.parametrize("options,message", [({"exercise": "ring"}, "exercise"), ({"cases": ("nope",)}, "unknown"),

@@ -12,7 +12,7 @@ import torch.nn as nn
 from lablib import checks
 from lablib.course import moe
 from lablib.course.models import GPTConfig
-from lablib.probes import ep_dispatch, ep_grads, ep_rehearsal
+from lablib.probes import ep_dispatch, ep_grads, group_rehearsal
 from lablib.probes.rehearsal import RehearsalDeadlock, run_in_thread_ranks
 from lablib.runs import expert_parallel as ep_run
 
@@ -68,7 +68,7 @@ def test_bytes_formula():
 
 
 def _a2a_body(rank):
-    group = ep_rehearsal.ThreadGroup([0, 1, 2])
+    group = group_rehearsal.ThreadGroup([0, 1, 2])
     sizes = [[1, 2, 0], [0, 1, 3], [2, 0, 1]][rank]                       # rows rank sends to each rank
     x = torch.arange(sum(sizes), dtype=torch.float32).unsqueeze(1) + 100 * rank
     recv = [[1, 0, 2], [2, 1, 0], [0, 3, 1]][rank]
@@ -78,7 +78,7 @@ def _a2a_body(rank):
 
 
 def test_rehearsal_all_to_all_single_uneven():
-    got = run_in_thread_ranks(3, _a2a_body, more_fakes=ep_rehearsal.fakes)
+    got = run_in_thread_ranks(3, _a2a_body, more_fakes=group_rehearsal.fakes)
     assert got == [[0.0, 200.0, 201.0], [1.0, 2.0, 100.0], [101.0, 102.0, 103.0, 202.0]]
 
 
@@ -88,15 +88,15 @@ def test_rehearsal_all_to_all_single_refuses_wrong_output_splits():
         torch.distributed.all_to_all_single(out, torch.zeros(2 + rank, 1), output_split_sizes=[1, 1],
                                             input_split_sizes=[1, 1 + rank])
     with pytest.raises(RuntimeError, match="Received data size doesn't match"):
-        run_in_thread_ranks(2, body, more_fakes=ep_rehearsal.fakes)
+        run_in_thread_ranks(2, body, more_fakes=group_rehearsal.fakes)
 
 
 def test_rehearsal_all_reduce_over_sub_groups():
     def body(rank):
         t = torch.tensor([float(rank)])
-        torch.distributed.all_reduce(t, group=ep_rehearsal.ThreadGroup([rank % 2, rank % 2 + 2]))
-        return (t.item(), torch.distributed.get_rank(ep_rehearsal.ThreadGroup([rank % 2, rank % 2 + 2])))
-    assert run_in_thread_ranks(4, body, more_fakes=ep_rehearsal.fakes) == [(2.0, 0), (4.0, 0), (2.0, 1), (4.0, 1)]
+        torch.distributed.all_reduce(t, group=group_rehearsal.ThreadGroup([rank % 2, rank % 2 + 2]))
+        return (t.item(), torch.distributed.get_rank(group_rehearsal.ThreadGroup([rank % 2, rank % 2 + 2])))
+    assert run_in_thread_ranks(4, body, more_fakes=group_rehearsal.fakes) == [(2.0, 0), (4.0, 0), (2.0, 1), (4.0, 1)]
 
 
 def test_rehearsal_deadlock_is_reported():
@@ -104,7 +104,7 @@ def test_rehearsal_deadlock_is_reported():
         if rank == 0:
             torch.distributed.all_reduce(torch.zeros(1))
     with pytest.raises(RehearsalDeadlock):
-        run_in_thread_ranks(2, body, timeout_s=1.0, more_fakes=ep_rehearsal.fakes)
+        run_in_thread_ranks(2, body, timeout_s=1.0, more_fakes=group_rehearsal.fakes)
 
 
 class _Zeros:
@@ -116,9 +116,9 @@ class _Zeros:
 
 
 def test_dispatch_probe_rejects_a_wrong_answer_and_names_the_output():
-    group = ep_rehearsal.ThreadGroup([0, 1])
+    group = group_rehearsal.ThreadGroup([0, 1])
     records = run_in_thread_ranks(2, lambda r: ep_dispatch.probe(_Zeros, "uneven", r, 2, group),
-                                  more_fakes=ep_rehearsal.fakes)
+                                  more_fakes=group_rehearsal.fakes)
     with pytest.raises(checks.CheckFailed, match="does not require grad|rows each local expert ran|output equals"):
         ep_dispatch.check(records[0], real_ranks=False)
 
@@ -171,10 +171,10 @@ class _NoWait(_Mean):
                                                 (_NoWait, "fp32", False)])
 def test_grads_probe_on_a_2x2_mesh(impl, case, passes):
     dp_groups, _ = ep_grads.mesh_groups(2, 2)
-    world = ep_rehearsal.ThreadGroup(range(4))
+    world = group_rehearsal.ThreadGroup(range(4))
     records = run_in_thread_ranks(4, lambda r: ep_grads.probe(impl, case, r, 2, 2,
-                                                              ep_rehearsal.ThreadGroup(dp_groups[r % 2]), world),
-                                  more_fakes=ep_rehearsal.fakes)
+                                                              group_rehearsal.ThreadGroup(dp_groups[r % 2]), world),
+                                  more_fakes=group_rehearsal.fakes)
     if passes:
         for record in records:
             ep_grads.check(record, real_ranks=False)
@@ -190,7 +190,7 @@ def test_rehearsal_async_result_lands_on_wait():
         before = t.item()
         work.wait()
         return before, t.item()
-    assert run_in_thread_ranks(2, body, more_fakes=ep_rehearsal.fakes) == [(1.0, 3.0), (2.0, 3.0)]
+    assert run_in_thread_ranks(2, body, more_fakes=group_rehearsal.fakes) == [(1.0, 3.0), (2.0, 3.0)]
 
 
 def test_run_config_validation():

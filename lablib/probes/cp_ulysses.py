@@ -1,9 +1,10 @@
 """Lab 12's graded Ulysses re-shard (exercise 4): what each rank runs and records, in thread ranks (a rehearsal)
 and on torchrun ranks (``lablib.runs.context_parallel``), and the checks.
 
-In threads, ``torch.distributed``'s functions are lablib.probes.rehearsal's fakes plus an ``all_to_all_single`` of
-equal splits (every rank's input cut into N equal pieces along dim 0, piece j to rank j, received in rank order),
-which logs each call's message size as lablib.measure.counting does on real ranks (S = the input's bytes).
+In threads, ``torch.distributed``'s functions are lablib.probes.rehearsal's fakes plus lablib.probes.group_rehearsal's
+(shared with lab 13): ``all_to_all_single`` cuts every rank's input into N equal pieces, piece j to rank j, received
+in rank order, and each rank's calls are logged with their message size as lablib.measure.counting logs them on
+real ranks (S = the input's bytes).
 
 Checked: ``seq_to_head`` moves every value to where the contract puts it, bit for bit (a re-shard only moves
 values), and ``head_to_seq`` undoes it; ``ulysses_attention`` equals one process's attention on the whole sequence
@@ -15,15 +16,17 @@ collective; a head count N does not divide is refused with a ValueError that nam
 
 from __future__ import annotations
 
-import threading
+import functools
 
 import torch
 import torch.distributed as dist
 
 from lablib import checks
 from lablib.measure import counting
-from lablib.probes import rehearsal
+from lablib.probes import group_rehearsal
 from lablib.probes.cp_ring import DTYPES, UNIT_ROUNDOFF, error_bounds, full_inputs, reference
+from lablib.probes.group_rehearsal import ThreadGroup
+from lablib.probes.rehearsal import run_in_thread_ranks
 
 CASES = {
     "basic": dict(B=1, H=4, T=16, D=8, causal=True, dtype="float32", logits=3.0),
@@ -32,26 +35,6 @@ CASES = {
     "noncausal": dict(B=1, H=12, T=12, D=8, causal=False, dtype="float32", logits=3.0),
     "subgroups": dict(B=2, H=8, T=12, D=4, causal=True, dtype="float32", logits=3.0, groups=2),
 }
-
-
-class ThreadGroup:
-    """A sub-group of the thread ranks (consecutive global ranks): its own rendezvous, ranks numbered inside it."""
-
-    def __init__(self, ranks, timeout_s: float):
-        self.ranks = list(ranks)
-        self.world = rehearsal._World(len(self.ranks), timeout_s)
-        self.n = len(self.ranks)
-
-    def rank(self) -> int:
-        return self.ranks.index(rehearsal._local.rank)
-
-    def exchange(self, what: str, value) -> list:
-        """Every member's value in group-rank order (the rendezvous numbers its slots by group rank)."""
-        global_rank, rehearsal._local.rank = rehearsal._local.rank, self.rank()
-        try:
-            return self.world.exchange(what, value)
-        finally:
-            rehearsal._local.rank = global_rank
 
 
 def probe_ulysses(module, group, case_name: str, seed: int = 0, log=None) -> dict:
@@ -103,66 +86,20 @@ def indivisible_message(module, group, n: int) -> str:
     return ""
 
 
-def _all_to_all_fakes(world, log_per_rank):
-    def members(group):
-        """The rendezvous a collective over ``group`` meets at, and this rank's place in it."""
-        if isinstance(group, ThreadGroup):
-            return group, group.rank()
-        return world, rehearsal._local.rank
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                          async_op=False):
-        if output_split_sizes or input_split_sizes:
-            raise rehearsal.RehearsalUnsupported("all_to_all_single with split sizes is not rehearsed here")
-        meeting, me = members(group)
-        if input.numel() % meeting.n or output.numel() != input.numel():
-            raise ValueError(f"all_to_all_single: input of {input.numel()} and output of {output.numel()} elements; "
-                             f"both must be equal and divisible by the group's {meeting.n} ranks")
-        log_per_rank[rehearsal._local.rank].append(("all_to_all", input.numel() * input.element_size()))
-        values = meeting.exchange("all_to_all_single", input.detach().reshape(meeting.n, -1).clone())
-        with torch.no_grad():
-            output.copy_(torch.cat([v[me] for v in values]).view_as(output))
-        return rehearsal._Done() if async_op else None
-    return {"all_to_all_single": all_to_all_single, "get_rank": lambda group=None: members(group)[1],
-            "get_world_size": lambda group=None: members(group)[0].n}
-
-
 def rehearse_ulysses(module, world_size: int, cases, timeout_s: float = 20.0) -> list[list[dict]]:
     """Each case on world_size thread ranks: [case][rank] records."""
     out = []
     for case in cases:
-        world = rehearsal._World(world_size, timeout_s)
         n_groups = CASES[case].get("groups", 1)
         if world_size % n_groups:
             raise ValueError(f"case {case!r} cuts the world into {n_groups} groups: world_size={world_size} must be a "
                              f"multiple of {n_groups}")
         size = world_size // n_groups
-        groups = [ThreadGroup(range(g * size, (g + 1) * size), timeout_s) for g in range(n_groups)]
+        groups = [ThreadGroup(range(g * size, (g + 1) * size)) for g in range(n_groups)] if n_groups > 1 else [None]
         logs = [[] for _ in range(world_size)]
-        fakes = rehearsal._fake_functions(world)
-        fakes.update(_all_to_all_fakes(world, logs))
-        results, errors = [None] * world_size, [None] * world_size
-
-        def body(rank):
-            rehearsal._local.rank = rank
-            try:
-                group = groups[rank // size] if n_groups > 1 else None
-                results[rank] = probe_ulysses(module, group, case, log=logs[rank])
-            except BaseException as error:  # noqa: BLE001 - raised below
-                errors[rank] = error
-                for barrier in [world.barrier] + [g.world.barrier for g in groups]:
-                    barrier.abort()
-        with rehearsal._patched(fakes):
-            threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout_s * 2)
-        failed = [e for e in errors if e is not None and not isinstance(e, rehearsal.RehearsalDeadlock)] or \
-            [e for e in errors if e is not None]
-        if failed:
-            raise failed[0]
-        out.append(results)
+        out.append(run_in_thread_ranks(
+            world_size, lambda rank: probe_ulysses(module, groups[rank // size], case, log=logs[rank]), timeout_s,
+            more_fakes=functools.partial(group_rehearsal.fakes, log=logs)))
     return out
 
 

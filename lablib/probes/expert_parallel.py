@@ -4,7 +4,7 @@ checked in this process by their properties; exercises 3 and 4 rehearsed on thre
 
 - ``lablib.probes.ep_dispatch``: exercise 3, dispatch and combine with all_to_all_single vs one process;
 - ``lablib.probes.ep_grads``: exercise 4, the gradient reduction of expert x data parallelism on a dp x ep mesh;
-- ``lablib.probes.ep_rehearsal``: all_to_all_single and sub-groups on threads.
+- ``lablib.probes.group_rehearsal``: all_to_all_single and sub-groups on threads (shared with lab 12).
 
 The properties checked here never hold an answer: the hidden tests compare with the instructor's references.
 """
@@ -17,7 +17,7 @@ import torch
 
 from lablib import checks
 from lablib.jobs.exercise import load_module
-from lablib.probes import ep_dispatch, ep_grads, ep_rehearsal
+from lablib.probes import ep_dispatch, ep_grads, group_rehearsal
 
 REQUIRED = {"routing": ("expert_capacity", "keep_within_capacity"), "aux_loss": ("load_balancing_loss",),
             "dispatch": ("expert_parallel_moe",), "ep_dp": ("reduce_moe_gradients",)}
@@ -109,14 +109,14 @@ def rehearse_dispatch(path: str, world_size: int, cases, groups: int = 1) -> lis
     from lablib.probes.rehearsal import RehearsalUnsupported, run_in_thread_ranks
 
     impl = load_impl(path, "dispatch")
-    blocks = [ep_rehearsal.ThreadGroup(range(g * world_size, (g + 1) * world_size)) for g in range(groups)]
+    blocks = [group_rehearsal.ThreadGroup(range(g * world_size, (g + 1) * world_size)) for g in range(groups)]
     records = []
     try:
         for case in cases:
             records += run_in_thread_ranks(
                 groups * world_size, lambda r: ep_dispatch.probe(impl, case, r % world_size, world_size,
                                                                  blocks[r // world_size]),
-                more_fakes=ep_rehearsal.fakes)
+                more_fakes=group_rehearsal.fakes)
     except RehearsalUnsupported:
         return []
     return records
@@ -129,13 +129,13 @@ def rehearse_grads(path: str, mesh: str, cases) -> list[dict]:
     impl = load_impl(path, "ep_dp")
     dp, ep = ep_grads.parse_mesh(mesh)
     dp_groups, _ = ep_grads.mesh_groups(dp, ep)
-    world = ep_rehearsal.ThreadGroup(range(dp * ep))
+    world = group_rehearsal.ThreadGroup(range(dp * ep))
     records = []
     try:
         for case in cases:
             records += run_in_thread_ranks(
-                dp * ep, lambda r: ep_grads.probe(impl, case, r, dp, ep, ep_rehearsal.ThreadGroup(dp_groups[r % ep]),
-                                                  world), more_fakes=ep_rehearsal.fakes)
+                dp * ep, lambda r: ep_grads.probe(impl, case, r, dp, ep, group_rehearsal.ThreadGroup(dp_groups[r % ep]),
+                                                  world), more_fakes=group_rehearsal.fakes)
     except RehearsalUnsupported:
         return []
     return records

@@ -179,7 +179,7 @@ def run_in_thread_ranks(world_size: int, fn: Callable[[int], object], timeout_s:
                         more_fakes: Callable | None = None) -> list:
     """fn(rank) on world_size threads that stand in for ranks; [rank 0's return, rank 1's, ...]. An exception in
     any thread is raised here (a deadlock's, if that is all there is, or the first other one). ``more_fakes(world,
-    local)``: a lab's own fakes ({name: function}, e.g. lablib.probes.ep_rehearsal's), over the ones above."""
+    local)``: a lab's own fakes ({name: function}, e.g. lablib.probes.group_rehearsal's), over the ones above."""
     if dist.is_initialized():
         raise RuntimeError("the thread rehearsal needs a process without a process group (it replaces "
                            "torch.distributed's functions for a moment)")
