@@ -52,7 +52,7 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
 
 WRONG_ANSWERS = {
     "strategy_class": [
-        ("never synchronizes (sync_gradients does nothing: the stand-in's all-reduce never runs)", _changed(
+        ("never synchronizes (sync_gradients does nothing: caught by the in-kernel contract check)", _changed(
             "strategy_class", ("        model.finish_gradient_synchronization()   # waits for the all-reduces (lab 06's contract)\n",
                                "        pass\n"))),
         ("ignores the sharded optimizer (a plain optimizer every time)", _changed(
