@@ -54,7 +54,7 @@ def test_deepspeed_rows_are_fp32_and_unclipped_like_the_loop(stage):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                    reason="DeepSpeed is optional and not installed with the course: the rows are checked where it is")
+                    reason="DeepSpeed is optional (launchers/deepspeed installs it): the rows are checked where it is installed")
 def test_deepspeed_rows_end_where_one_process_does():
     import torch
 

@@ -25,7 +25,7 @@ import labkit
 from instructor import course
 
 LABS = labkit.labs()
-# Autograding one notebook may take at most this long on the 2-core CI machine (the solution's
+# Autograding one notebook may take at most this long on the idle 2-core CI machine, stretched by the load (the solution's
 # own budget is 180 s at full size; under nbgrader sizes shrink).
 AUTOGRADE_LIMIT_S = 300
 # The background autogrades run beside the live-kernel checks: they get one core of the two, so neither
@@ -53,8 +53,8 @@ class BackgroundAutogrades:
     def _grade(self, lab: str) -> LabGrading:
         submissions = {"solution": labkit.SOLUTIONS / lab / f"{lab}.ipynb", "release": labkit.LABS / lab / f"{lab}.ipynb"}
         layout = course.CourseLayout.isolated(self.work / lab / "course", lab)
-        results = course.grade(lab, submissions, layout, per_student_timeout_s=AUTOGRADE_LIMIT_S, feedback=True,
-                               env=BACKGROUND_ENV)
+        results = course.grade(lab, submissions, layout, per_student_timeout_s=labkit.scaled_timeout(AUTOGRADE_LIMIT_S),
+                               feedback=True, env=BACKGROUND_ENV)
         return LabGrading(layout, results)
 
     def result(self, lab: str) -> LabGrading:
@@ -197,7 +197,7 @@ def test_solution_full_marks_and_release_zero(lab, lab_times, autograded_solutio
     assert solution.status == "ok", solution.message
     assert solution.auto_max > 0
     assert solution.auto_score == solution.auto_max, f"solution scored {solution.auto_score}/{solution.auto_max}: {solution.cells}"
-    assert release.status == "ok", f"the release must autograde (to zero) within {AUTOGRADE_LIMIT_S} s: {release.message}"
+    assert release.status == "ok", f"the release must autograde (to zero) within {AUTOGRADE_LIMIT_S} s idle (stretched by the load): {release.message}"
     assert release.auto_score == 0, f"the unmodified release scored {release.auto_score}: {release.cells}"
     course_dir = grading.layout.root
     assert (course_dir / "feedback" / "solution" / lab / f"{lab}.html").is_file(), "no feedback HTML generated"

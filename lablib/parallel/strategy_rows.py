@@ -15,6 +15,7 @@ Each row says where its pieces came from (``source``), so the table shows what i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -155,8 +156,8 @@ class DTensorTP(Strategy):
 class DeepSpeedZeRO(Strategy):
     """DeepSpeed's ZeRO stage 1, 2 or 3 (Rajbhandari et al., 2020; the source chapter's ``ds_config`` route), fp32,
     around the loop's own optimizer (``zero_allow_untested_optimizer``: SGD is not one of DeepSpeed's). Optional:
-    it needs ``pip install --no-build-isolation deepspeed`` and, on CPU, ``DS_ACCELERATOR=cpu`` (its shared-memory
-    op is built with ninja and a C++ compiler the first time). ``engine.step()`` steps and clears the gradients;
+    ``launchers/deepspeed`` installs it (requirements-deepspeed.txt); on a machine without CUDA the row sets
+    ``DS_ACCELERATOR=cpu`` unless it is set (its shared-memory op is built with ninja and a C++ compiler the first time). ``engine.step()`` steps and clears the gradients;
     the loop's optimizer is a thin handle on it.
 
     ``gradient_clipping: 0.0``: DeepSpeed clips the gradients' global norm to 1.0 when the config says nothing
@@ -177,6 +178,8 @@ class DeepSpeedZeRO(Strategy):
                 "gradient_clipping": 0.0}
 
     def wrap_optimizer(self, model, optimizer_cls, **hyper):
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")   # read when deepspeed is first imported
         import deepspeed
 
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_cls(model.parameters(), **hyper),

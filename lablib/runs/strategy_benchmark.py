@@ -266,7 +266,7 @@ def run(env, config: Config) -> dict:
 
 def _row(env, config, row, pieces, impl, batches, reference, baseline, rounds) -> dict:
     if row.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-        return {"skipped": "DeepSpeed is not installed with the course (optional row): see the notebook's note"}
+        return {"skipped": "DeepSpeed is optional and not installed here: launchers/deepspeed installs it (see the notebook's section 7)"}
     if row in YOURS and impl is None:
         return {"skipped": "exercise 1 (strategies_impl.py) is not written yet"}
     try:
