@@ -23,7 +23,7 @@ import nbformat
 from instructor.course import LABS, REPO, SOLUTIONS, all_labs
 
 SHIPPED = ["labs", "lablib", "launchers/lab", "launchers/_setup.sh", "launchers/multinode", "launchers/slurm.sbatch",
-           "environment.yml", "requirements.txt", "pyproject.toml"]
+           "launchers/deepspeed", "environment.yml", "requirements.txt", "requirements-deepspeed.txt", "pyproject.toml"]
 NEVER = re.compile(r"(__pycache__|\.ipynb_checkpoints|\.egg-info|_impl\.py$|\.pyc$)")
 SOLUTION_REGION = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
 HIDDEN_REGION = re.compile(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", re.S)
@@ -93,6 +93,7 @@ launchers/lab     # open the labs in JupyterLab (creates .venv the first time, ~
 You need Python 3.10+ (3.11 recommended) and `bash`. The first run installs the pinned environment from
 `requirements.txt` (torch 2.13.0, JupyterLab, ...) into `.venv/`; later runs reuse it.
 Conda users: `conda env create -f environment.yml`, then `jupyter lab` inside `labs/`.
+Optional, for lab 11's DeepSpeed rows: `launchers/deepspeed` (needs a C++ compiler; its first run builds an op).
 
 ## The labs
 

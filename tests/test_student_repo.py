@@ -27,9 +27,10 @@ def built(tmp_path_factory) -> Path:
 def test_it_holds_the_labs_and_what_runs_them_and_nothing_else(built):
     top = sorted(p.name for p in built.iterdir() if p.name != ".git")
     assert top == sorted([".gitignore", "README.md", "environment.yml", "lablib", "labs", "launchers",
-                          "pyproject.toml", "requirements.txt"])
+                          "pyproject.toml", "requirements.txt", "requirements-deepspeed.txt"])
     assert sorted(p.name for p in (built / "labs").iterdir()) == labkit.labs()
-    assert sorted(p.name for p in (built / "launchers").iterdir()) == ["_setup.sh", "lab", "multinode", "slurm.sbatch"]
+    assert sorted(p.name for p in (built / "launchers").iterdir()) == ["_setup.sh", "deepspeed", "lab", "multinode",
+                                                                                "slurm.sbatch"]
     assert "launchers/lab" in (built / "README.md").read_text()
     assert student_repo.audit(built) == []
     log = subprocess.run(["git", "-C", str(built), "log", "--oneline"], capture_output=True, text=True)
