@@ -74,6 +74,26 @@ def test_fault_parse():
             checkpoint_run.Fault.parse(bad, 0)
 
 
+def test_reshard_parse_and_the_world_it_needs(tmp_path):
+    from lablib.runs import fault_tolerance
+
+    assert checkpoint_run.parse_reshard("fsdp2:4->2") == ("fsdp2", 4, 2)
+    for bad in ("fsdp2:4->4", "zero:2->1", "ddp:0->2", "ddp:2-1", "ddp"):
+        with pytest.raises(ValueError, match="PARALLEL:N->M"):
+            checkpoint_run.parse_reshard(bad)
+    (tmp_path / "ft_impl.py").write_text("")
+    config = fault_tolerance.Config(impl=str(tmp_path / "ft_impl.py"), ckpt_dir=str(tmp_path),
+                                    reshards=("fsdp2:4->2", "ddp:2->4"))
+    config.validate()
+    config.validate_world(4)
+    with pytest.raises(ValueError, match="need 4 ranks"):
+        config.validate_world(2)
+    with pytest.raises(ValueError, match="without faults"):
+        fault_tolerance.Config(impl=config.impl, ckpt_dir=str(tmp_path), reshards=("ddp:2->4",), faults=("kill:1@5",)).validate()
+    with pytest.raises(ValueError, match="multiple of the world size 3"):
+        fault_tolerance.Config(impl=config.impl, ckpt_dir=str(tmp_path), reshards=("ddp:3->4",)).validate_world(4)
+
+
 def test_simulated_waste_agrees_with_young_daly_near_the_optimum():
     C, M = 60.0, 3 * 3600.0
     tau = math.sqrt(2 * C * M)

@@ -9,7 +9,9 @@
 - ``Fault``: a rank that kills itself with SIGKILL (after a step, or in the middle of a save: before it calls
   the students' ``save`` while the others are inside it), one that stops responding (sleeps), or, inside one
   process, one that stops (``Stopped``);
-- ``faults_seen``: the faults played and when a peer noticed them, for the restart's timeline.
+- ``faults_seen``: the faults played and when a peer noticed them, for the restart's timeline;
+- ``reshard_runs``: section 3's runs at several world sizes (a checkpoint written by N ranks, resumed by M) in one
+  torchrun start: for each run its ranks form a fresh default process group of its size and train as a new job.
 
 A checkpoint is a folder ``step_000004`` written by ``torch.distributed.checkpoint``; it is complete once DCP's
 ``.metadata`` file is there (rank 0 writes it last, after every rank has written its shards):
@@ -18,6 +20,8 @@ A checkpoint is a folder ``step_000004`` written by ``torch.distributed.checkpoi
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import math
 import os
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lablib.jobs import distenv, processes
 from lablib.parallel.checkpointing import Recipe, build, checkpoint_dir, latest_checkpoint, tokens, train_step
@@ -258,3 +263,56 @@ def faults_seen(folder) -> list[dict]:
         f["t_detected"] = detected.get(f["attempt"])
     return sorted(out, key=lambda f: f["t"])
 
+
+
+# --- several world sizes in one torchrun start (section 3) -------------------------------------------------------
+
+def parse_reshard(text: str) -> tuple[str, int, int]:
+    """'fsdp2:4->2' -> ('fsdp2', 4, 2): a run of 4 FSDP2 ranks writes checkpoints, a run of 2 resumes one."""
+    try:
+        parallel, sizes = text.split(":")
+        before, after = (int(v) for v in sizes.split("->"))
+    except ValueError:
+        before = after = parallel = None
+    if parallel not in ("fsdp2", "ddp") or not 1 <= before != after >= 1:
+        raise ValueError(f"reshard {text!r}: write 'PARALLEL:N->M' (fsdp2 or ddp; N != M, both >= 1), e.g. 'fsdp2:4->2'")
+    return parallel, before, after
+
+
+def reshard_runs(impl, recipe: Recipe, env, folder, reshards: tuple[str, ...], *, ckpt_every: int) -> dict:
+    """Each reshard 'PARALLEL:N->M' as two jobs in this torchrun start of max(N, M) ranks: N ranks train from
+    scratch (a checkpoint every ckpt_every steps), then M ranks resume from the first checkpoint. For each run, ranks
+    0..size-1 form a new default process group of its size (the others wait for a later run) and train as a new
+    job: ``build`` reseeds every generator and makes fresh parts, the students' ``start`` reads from disk what the
+    other world size wrote, and FSDP2, DDP and DCP act on the group they are given. One start instead of one per
+    run (each costs its agent's and every rank's Python and torch start-up). Returns rank 0's logs per run."""
+    plan, runs = [], {}
+    for text in reshards:
+        parallel, before, after = parse_reshard(text)
+        first, second = f"{parallel}_{before}", f"{parallel}_{before}_to_{after}"
+        runs.setdefault(first, (parallel, before, ""))
+        runs.setdefault(second, (parallel, after, str(checkpoint_dir(Path(folder) / first, ckpt_every))))
+        plan.append({"parallel": parallel, "before": before, "after": after, "runs": (first, second)})
+    timeout = datetime.timedelta(seconds=processes.rank_timeout_from_env())
+    store = distenv.attempt_store(timeout)
+    for i, (key, (parallel, size, source)) in enumerate(runs.items()):
+        if env.rank < size:
+            run_env = _new_group(env, size, dist.PrefixStore(f"reshard_run{i}", store), timeout)
+            train(impl, dataclasses.replace(recipe, parallel=parallel), run_env, Path(folder) / key,
+                  ckpt_every=ckpt_every, resume_from=source, attempt=0, announce=False)
+            dist.barrier()                 # no rank leaves while a peer is in its last collective
+            dist.destroy_process_group()
+    _new_group(env, env.world_size, dist.PrefixStore("reshard_runs_end", store), timeout)   # the job's group again
+    logs = {key: RunLog(Path(folder) / key, env.rank).read() for key in runs}
+    return {"runs": {key: {"steps": [r for r in log if r["kind"] == "step"],
+                           "attempts": [r for r in log if r["kind"] == "attempt"]} for key, log in logs.items()},
+            "reshards": plan}
+
+
+def _new_group(env, size: int, store, timeout):
+    """This rank in a fresh default process group of ranks 0..size-1 (any group before it destroyed)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    kwargs = {"device_id": env.device} if env.backend == "nccl" else {}
+    dist.init_process_group(env.backend, store=store, rank=env.rank, world_size=size, timeout=timeout, **kwargs)
+    return dataclasses.replace(env, world_size=size)

@@ -1,6 +1,6 @@
 """Lab 10 answers written by a reviewer who had read only the released notebook (no tests, no solution): eleven
-plausible wrong answers and two correct variants for exercise 1, six and two for exercise 2 (Young/Daly), two and
-one for the multiple choice. tests/wrong_answers/10_fault_tolerance.py adds them to its lists. Written before the
+plausible wrong answers and two correct variants for exercise 1 (one of them run: see CORRECT_VARIANTS), six and two
+for exercise 2 (Young/Daly), two and one for the multiple choice. tests/wrong_answers/10_fault_tolerance.py adds them to its lists. Written before the
 graded reshard: the reviewer's "this_rank(...) == None not handled" passed every check then (it resumes only at the
 same world size) and is caught by the reshard now."""
 
@@ -258,8 +258,10 @@ WRONG_ANSWERS = {
 }
 
 CORRECT_VARIANTS = {
+    # The reviewer's straightforward answer (APP above, the base of W_APP) is not run as a variant: it is the solution
+    # with one key renamed ("optim"; APP_VARIANT renames four others), int(step) and the CUDA state saved only on a
+    # GPU (both in APP_VARIANT too). Each app_state variant costs a 2-rank kill-and-restart run.
     "app_state": [
-        ("straightforward: get/set_state_dict, per_rank RNG, shard -> optimizer -> scheduler -> dcp.load", APP),
         ("`from torch.distributed.checkpoint import load, save`, other key names, nested 'progress' dict, RNG helpers, "
          "`lablib.parallel.checkpointing.per_rank` via the module", APP_VARIANT),
     ],
