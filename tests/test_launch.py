@@ -260,6 +260,22 @@ def test_run_script_reports_a_hang_with_every_ranks_stack(tmp_path):
     assert "hang.py\", line 6" in r.stacks[1] and "all_reduce" not in r.stacks[1]    # rank 1 is in its sleep
 
 
+def test_a_run_meant_to_hang_is_stopped_soon_after_every_rank_reaches_the_hang(tmp_path):
+    """hang_after: the grace counts from the moment every rank printed the text, not from torchrun's start (so a slow
+    start on a busy machine still reaches the hang, and an idle one does not wait out a long timeout)."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_SCRIPT)
+    cap = labkit.scaled_timeout(120)
+    r = launch.run_script(script, nproc=2, timeout_s=cap, quiet=True, hang_after=(" up", 2.0))
+    assert r.timed_out and r.returncode is None and r.elapsed_s < cap / 2, r.elapsed_s
+    assert "rank 0 of 2 up" in r.output and "rank 1 of 2 up" in r.rank_output[1]
+    assert "in all_reduce" in r.stacks[0] and "hang.py\", line 6" in r.stacks[1]
+    ok = tmp_path / "ok.py"
+    ok.write_text("print('done', flush=True)\n")
+    r = launch.run_script(ok, nproc=2, timeout_s=cap, quiet=True, hang_after=("done", 30.0))
+    assert (r.returncode, r.timed_out) == (0, False), "a run that ends by itself inside the grace is not stopped"
+
+
 def test_run_script_reports_success_and_failure_without_raising(tmp_path):
     ok = tmp_path / "ok.py"
     ok.write_text("import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:])\n")

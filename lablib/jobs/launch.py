@@ -193,7 +193,7 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
 
 
 def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: float = 60.0,
-               env: Mapping | None = None, quiet: bool = False) -> ScriptRun:
+               env: Mapping | None = None, quiet: bool = False, hang_after: tuple[str, float] | None = None) -> ScriptRun:
     """Run a Python script file on nproc ranks under torchrun (``--standalone``) and report how it ended.
 
     The script is any torchrun script (one a notebook cell wrote, say): it reads RANK, WORLD_SIZE, ... and
@@ -202,6 +202,10 @@ def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: flo
     enabled), then the whole run is stopped, torchrun's session included. The ranks see the caller's
     environment plus ``env``; LABLIB_PG_TIMEOUT_S tells a script that wants it a collective timeout a
     little shorter than the run's.
+
+    ``hang_after=(text, seconds)`` is for a run that is meant to hang: once every rank has printed a line holding
+    ``text`` (it reached the point to show), the run gets ``seconds`` more, then is stopped as on a timeout; its
+    start-up, however slow on a busy machine, is not counted. ``timeout_s`` still caps the whole run.
     """
     script_path = Path(path).expanduser().resolve()
     if not script_path.is_file():
@@ -217,10 +221,9 @@ def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: flo
                "--max-restarts=0", f"--log-dir={run.run_dir / 'logs'}", "--redirects=3", str(script_path), *args]
         timed_out, t0 = False, time.monotonic()
         proc = run.start(cmd, rank_env, marker=run.run_id, cwd=script_path.parent, read_output=False)
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out, returncode = True, None
+        returncode = _wait_for_script(proc, run.run_dir / "logs", nproc, t0 + timeout_s, hang_after)
+        if returncode is None:
+            timed_out = True
             outcome.dump_stacks(proc, run.run_id)
             run.stop()
         elapsed = time.monotonic() - t0
@@ -233,10 +236,27 @@ def run_script(path, args: Sequence[str] = (), *, nproc: int = 2, timeout_s: flo
                 rank_output[rank] = text[:text.index(STACK_DUMP_MARKER)]
     result = ScriptRun(returncode, timed_out, rank_output.get(0, ""), rank_output, stacks, elapsed)
     if not quiet:
-        how = (f"stopped after its timeout of {timeout_s:g} s" if timed_out else
+        how = (f"stopped after its timeout of {timeout_s:g} s" if timed_out and elapsed >= timeout_s - 0.5 else
+               f"stopped {hang_after[1]:g} s after every rank printed {hang_after[0]!r}" if timed_out else
                "finished" if returncode == 0 else f"failed (torchrun exit code {returncode})")
         print(f"{script_path.name} on {nproc} ranks {how} in {elapsed:.1f} s")
     return result
+
+
+def _wait_for_script(proc, log_dir: Path, nproc: int, deadline: float, hang_after) -> int | None:
+    """torchrun's exit code, or None once the deadline (or hang_after's grace, see run_script) has passed."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            return proc.wait(timeout=min(left, 0.5) if hang_after else left)
+        except subprocess.TimeoutExpired:
+            pass
+        if hang_after:
+            logs = outcome.rank_logs(log_dir)
+            if len(logs) == nproc and all(hang_after[0] in text for text in logs.values()):
+                deadline, hang_after = min(deadline, time.monotonic() + hang_after[1]), None
 
 
 def _update_bar(bar, event: dict, step: str):
