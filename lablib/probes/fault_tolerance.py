@@ -18,8 +18,10 @@ The answers (the students' ``AppState``, ``start`` and ``save``) are not here.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import random
+import shutil
 import tempfile
 
 import torch
@@ -36,8 +38,10 @@ def load_impl(path: str = "ft_impl.py"):
 
 
 def fresh_dir(name: str) -> str:
-    """A new, empty folder for one run's checkpoints and log."""
-    return tempfile.mkdtemp(prefix=f"lab10-{name}-")
+    """A new, empty folder for one run's checkpoints and log, removed when this process (the kernel) exits."""
+    folder = tempfile.mkdtemp(prefix=f"lab10-{name}-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def precheck(impl, recipe: checkpointing.Recipe | None = None, stop_after: int = 3, ckpt_every: int = 2) -> dict:
