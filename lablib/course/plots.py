@@ -58,15 +58,58 @@ def headless() -> bool:
 
 
 def explore(func, make_controls):
-    """``ipywidgets.interact(func, **make_controls())`` for a person in JupyterLab.
+    """``func`` behind the controls ``make_controls()`` returns ({argument name: ipywidget}), for a person in
+    JupyterLab: the controls above, func's printed text and figures below, redrawn whenever a control changes.
+    Returns func's result for the controls' first values.
 
     Headless, call ``func()`` once with its default arguments instead, and create no widget at all:
     widget output is not saved in an executed notebook, and nbclient can wait out a whole cell timeout
     after a cell that creates widgets (seen here: 600 s; jupyter/nbclient#312). So func's defaults are
-    the static figure, and make_controls returns {argument name: ipywidget}, called only for a person.
+    the static figure, and make_controls is called only for a person.
+
+    Not ``ipywidgets.interact``: its Output widget catches func's output by message id in the browser, and
+    JupyterLab 4 with ipywidgets 8 sometimes dropped the figure while keeping the printed text (lab 09's
+    schedule after a click on its toggle buttons, every time, in tests/test_browser.py). Here func runs inside
+    IPython's ``capture_output`` and the widget's ``outputs`` are set from the kernel, which the browser
+    renders from the widget's state: nothing to race.
     """
     if headless():
         return func()
     import ipywidgets
+    from IPython.display import display
 
-    return ipywidgets.interact(func, **make_controls())
+    controls = make_controls()
+    for name, control in controls.items():
+        if not control.description:   # as interact labels them: by the argument's name
+            control.description = name
+    out = ipywidgets.Output()
+    box = ipywidgets.VBox([*controls.values(), out])
+    box.add_class("widget-interact")
+
+    def update(_change=None):
+        return _show(func, {name: control.value for name, control in controls.items()}, out)
+
+    for control in controls.values():
+        control.observe(update, names="value")
+    display(box)
+    return update()
+
+
+def _show(func, kwargs: dict, out):
+    """Run func(**kwargs) with its stdout, stderr, figures and traceback caught, and put them in out."""
+    from IPython.utils.capture import capture_output
+
+    result, error = None, None
+    with capture_output() as caught:
+        try:
+            result = func(**kwargs)
+        except Exception:   # a student's half-written function: its traceback shows under the controls
+            import traceback
+            error = traceback.format_exc()
+        if plt.get_fignums():        # a figure func drew without plt.show()
+            plt.show()
+    outputs = [{"output_type": "stream", "name": name, "text": text}
+               for name, text in (("stdout", caught.stdout), ("stderr", caught.stderr + (error or ""))) if text]
+    outputs += [{"output_type": "display_data", "data": o.data, "metadata": o.metadata or {}} for o in caught.outputs]
+    out.outputs = tuple(outputs)
+    return result
