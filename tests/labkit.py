@@ -8,6 +8,8 @@ import importlib.util
 import os
 import re
 import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,3 +224,47 @@ def load_factor() -> float:
 def scaled_timeout(idle_s: float) -> float:
     """A timeout measured as enough on an idle machine, stretched by the load now (never flaky under load)."""
     return round(idle_s * load_factor())
+
+
+# Autograding one notebook may take at most this long on the idle 2-core CI machine, stretched by the load (the solution's
+# own budget is 180 s at full size; under nbgrader sizes shrink).
+AUTOGRADE_LIMIT_S = 300
+# The background autogrades run beside the other tests: they get one core of the two, so neither oversubscribes the
+# machine (lablib.jobs.launch.available_cores reads LABLIB_CORES; parallel grading does the same).
+BACKGROUND_ENV = {"LABLIB_CORES": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass
+class LabGrading:
+    layout: object   # instructor.course.CourseLayout
+    results: list
+
+
+class BackgroundAutogrades:
+    """nbgrader autogrades the selected labs' solution and release, one lab after another, in a thread that
+    starts with the session (tests/conftest.py), so it runs beside the tests before tests/test_labs.py (many of
+    them wait more than they compute: a browser, Slurm, timeouts) and then beside the live-kernel checks. An
+    autograde is its own process (nbgrader and its kernel), so it never shares a kernel with a test.
+    test_solution_full_marks_and_release_zero asserts on the results."""
+
+    def __init__(self, labs: list[str], work: Path):
+        self.work, self.started = work, time.perf_counter()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autograde")
+        self.futures: dict[str, Future] = {lab: self.pool.submit(self._grade, lab) for lab in labs}
+
+    def _grade(self, lab: str) -> LabGrading:
+        from instructor import course
+
+        submissions = {"solution": SOLUTIONS / lab / f"{lab}.ipynb", "release": LABS / lab / f"{lab}.ipynb"}
+        layout = course.CourseLayout.isolated(self.work / lab / "course", lab)
+        results = course.grade(lab, submissions, layout, per_student_timeout_s=scaled_timeout(AUTOGRADE_LIMIT_S),
+                               feedback=True, env=BACKGROUND_ENV)
+        return LabGrading(layout, results)
+
+    def result(self, lab: str) -> LabGrading:
+        if lab not in self.futures:   # selected after the pool started (not in this session's items): grade it now
+            self.futures[lab] = self.pool.submit(self._grade, lab)
+        return self.futures[lab].result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)   # at most the running autograde is waited for

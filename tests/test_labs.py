@@ -14,65 +14,14 @@ import filecmp
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import nbformat
 import pytest
 
 import labkit
-from instructor import course
 
 LABS = labkit.labs()
-# Autograding one notebook may take at most this long on the idle 2-core CI machine, stretched by the load (the solution's
-# own budget is 180 s at full size; under nbgrader sizes shrink).
-AUTOGRADE_LIMIT_S = 300
-# The background autogrades run beside the live-kernel checks: they get one core of the two, so neither
-# oversubscribes the machine (lablib.jobs.launch.available_cores reads LABLIB_CORES; parallel grading does the same).
-BACKGROUND_ENV = {"LABLIB_CORES": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-@dataclass
-class LabGrading:
-    layout: course.CourseLayout
-    results: list
-
-
-class BackgroundAutogrades:
-    """nbgrader autogrades the selected labs' solution and release, one lab after another, in a thread, while
-    the live-kernel checks (test_wrong_answers_lose_points, which run first) use the other core. An autograde is
-    its own process (nbgrader and its kernel), so the two never share a kernel; the CI's wall time drops by most
-    of the autogrades' time. test_solution_full_marks_and_release_zero asserts on the results."""
-
-    def __init__(self, labs: list[str], work: Path):
-        self.work, self.started = work, time.perf_counter()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autograde")
-        self.futures: dict[str, Future] = {lab: self.pool.submit(self._grade, lab) for lab in labs}
-
-    def _grade(self, lab: str) -> LabGrading:
-        submissions = {"solution": labkit.SOLUTIONS / lab / f"{lab}.ipynb", "release": labkit.LABS / lab / f"{lab}.ipynb"}
-        layout = course.CourseLayout.isolated(self.work / lab / "course", lab)
-        results = course.grade(lab, submissions, layout, per_student_timeout_s=labkit.scaled_timeout(AUTOGRADE_LIMIT_S),
-                               feedback=True, env=BACKGROUND_ENV)
-        return LabGrading(layout, results)
-
-    def result(self, lab: str) -> LabGrading:
-        if lab not in self.futures:   # selected after the pool started (not in this session's items): grade it now
-            self.futures[lab] = self.pool.submit(self._grade, lab)
-        return self.futures[lab].result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)   # at most the running autograde is waited for
-
-
-@pytest.fixture(scope="module")
-def background_autogrades(request, tmp_path_factory):
-    labs = [lab for lab in LABS
-            if any(f"test_solution_full_marks_and_release_zero[{lab}]" in item.nodeid for item in request.session.items)]
-    autogrades = BackgroundAutogrades(labs, tmp_path_factory.mktemp("autograded"))
-    yield autogrades
-    autogrades.close()
+AUTOGRADE_LIMIT_S = labkit.AUTOGRADE_LIMIT_S
 
 
 def _diff(a, b) -> list[str]:
@@ -169,15 +118,18 @@ def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutio
         t1 = time.perf_counter()
         for exercise, answers in wrong.items():
             for description, source in answers:
+                t2 = time.perf_counter()
                 r = live.try_wrong_answer(exercise, description, source)
                 report.append(f"{exercise}: '{description}' lost at least {r.points_lost:g}/{r.points_possible:g} "
-                              f"({', '.join(r.failed_tests) or 'no test failed'})")
+                              f"({', '.join(r.failed_tests) or 'no test failed'}; {time.perf_counter() - t2:.1f} s)")
                 if r.points_lost == 0:
                     missed.append(report[-1])
         for exercise, variants in labkit.correct_variants(lab).items():
             for description, source in variants:
+                t2 = time.perf_counter()
                 r = live.try_wrong_answer(exercise, description, source, stop_at_first_failure=False)
-                report.append(f"{exercise}: correct variant '{description}' lost {r.points_lost:g}/{r.points_possible:g}")
+                report.append(f"{exercise}: correct variant '{description}' lost {r.points_lost:g}/{r.points_possible:g} "
+                              f"({time.perf_counter() - t2:.1f} s)")
                 if r.points_lost:
                     punished.append(f"{report[-1]} ({r.failed_tests})")
     lab_times[lab]["wrong-answer checks"] = time.perf_counter() - t1
