@@ -3,7 +3,7 @@
     .venv/bin/python -m instructor.grading_benchmark 01 03 --copies 2 --jobs 2
 
 For each lab: a class of K copies of the solution, the release and one submission per wrong answer of
-tests/wrong_answers/<lab>.py (one per exercise, its first), graded with --jobs 1 and with --jobs N in fresh
+tests/wrong_answers/<lab>.py (one per exercise, its first; none with --no-wrong-answers), graded with --jobs 1 and with --jobs N in fresh
 courses; prints seconds, students/hour, the ratio, and the load average before and after (the figures mean
 little on a machine that is busy with other work: say what the load was).
 """
@@ -24,14 +24,14 @@ from lablib.jobs.launch import available_cores
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _class(lab: str, copies: int, into: Path) -> int:
+def _class(lab: str, copies: int, into: Path, wrong_answers: bool = True) -> int:
     import nbformat
 
     solution = nbformat.read(REPO / "solutions" / lab / f"{lab}.ipynb", as_version=4)
     notebooks = {f"solution{i}": solution for i in range(copies)}
     notebooks["release"] = nbformat.read(REPO / "labs" / lab / f"{lab}.ipynb", as_version=4)
     wrong_file = REPO / "tests" / "wrong_answers" / f"{lab}.py"
-    if wrong_file.exists():
+    if wrong_answers and wrong_file.exists():
         sys.path.insert(0, str(REPO / "tests"))
         spec = importlib.util.spec_from_file_location(f"wrong_{lab}", wrong_file)
         module = importlib.util.module_from_spec(spec)
@@ -54,13 +54,15 @@ def main(argv=None) -> None:
     parser.add_argument("--copies", type=int, default=2, help="copies of the solution in the class (default 2)")
     parser.add_argument("--jobs", type=int, default=available_cores(), help="the side-by-side run (default: cores)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--no-wrong-answers", action="store_true",
+                        help="a class of the solution's copies and the release only (every submission runs the whole lab)")
     args = parser.parse_args(argv)
     from instructor.course import find_lab
 
     print(f"{available_cores()} cores; load average before: {os.getloadavg()[0]:.1f}")
     for lab in map(find_lab, args.labs):
         with tempfile.TemporaryDirectory(prefix=f"grading-benchmark-{lab[:2]}-") as tmp:
-            n = _class(lab, args.copies, Path(tmp) / "class")
+            n = _class(lab, args.copies, Path(tmp) / "class", wrong_answers=not args.no_wrong_answers)
             rates = {}
             for jobs in (1, args.jobs):
                 load0 = os.getloadavg()[0]
