@@ -8,7 +8,6 @@ import importlib.util
 import os
 import re
 import shutil
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,7 +247,7 @@ class BackgroundAutogrades:
     test_solution_full_marks_and_release_zero asserts on the results."""
 
     def __init__(self, labs: list[str], work: Path):
-        self.work, self.started = work, time.perf_counter()
+        self.work = work
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autograde")
         self.futures: dict[str, Future] = {lab: self.pool.submit(self._grade, lab) for lab in labs}
 

@@ -21,7 +21,6 @@ import pytest
 import labkit
 
 LABS = labkit.labs()
-AUTOGRADE_LIMIT_S = labkit.AUTOGRADE_LIMIT_S
 
 
 def _diff(a, b) -> list[str]:
@@ -149,7 +148,7 @@ def test_solution_full_marks_and_release_zero(lab, lab_times, autograded_solutio
     assert solution.status == "ok", solution.message
     assert solution.auto_max > 0
     assert solution.auto_score == solution.auto_max, f"solution scored {solution.auto_score}/{solution.auto_max}: {solution.cells}"
-    assert release.status == "ok", f"the release must autograde (to zero) within {AUTOGRADE_LIMIT_S} s idle (stretched by the load): {release.message}"
+    assert release.status == "ok", f"the release must autograde (to zero) within {labkit.AUTOGRADE_LIMIT_S} s idle (stretched by the load): {release.message}"
     assert release.auto_score == 0, f"the unmodified release scored {release.auto_score}: {release.cells}"
     course_dir = grading.layout.root
     assert (course_dir / "feedback" / "solution" / lab / f"{lab}.html").is_file(), "no feedback HTML generated"
