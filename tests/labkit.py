@@ -6,8 +6,13 @@ import ast
 import copy
 import importlib.util
 import os
+import json
 import re
 import shutil
+import subprocess
+import sys
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,3 +272,131 @@ class BackgroundAutogrades:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)   # at most the running autograde is waited for
+
+
+def live_check(lab: str, workdir: Path) -> dict:
+    """tests/test_labs.py::test_wrong_answers_lose_points's work for one lab, in a LiveLab under ``workdir``: the
+    solution top to bottom at a student's sizes (the executed notebook is written to workdir/<lab>.ipynb), the
+    switch to nbgrader's sizes, then every wrong answer and correct variant. Returns a JSON-ready dict: ``times``
+    (seconds per phase), ``report`` (one line per answer), ``missed`` (wrong answers that lost nothing),
+    ``punished`` (correct variants that lost points), ``executed`` (the notebook's path, None when the solution
+    raised) and ``raised`` (the LabRaised message, or None)."""
+    result = {"times": {}, "report": [], "missed": [], "punished": [], "executed": None, "raised": None}
+    times, report = result["times"], result["report"]
+    t0 = time.perf_counter()
+    try:
+        with LiveLab(lab, workdir) as live:
+            executed = live.run_all()
+            times["interactive run"] = time.perf_counter() - t0
+            result["executed"] = str(workdir / f"{lab}.ipynb")
+            nbformat.write(executed, result["executed"])
+            t1 = time.perf_counter()
+            rerun = live.use_grading_sizes()
+            times["re-run at grading sizes"] = time.perf_counter() - t1
+            report.append(f"switched to nbgrader's sizes: re-ran code cells {rerun} in "
+                          f"{times['re-run at grading sizes']:.0f} s")
+            t1 = time.perf_counter()
+            for exercise, answers in wrong_answers(lab).items():
+                for description, source in answers:
+                    t2 = time.perf_counter()
+                    r = live.try_wrong_answer(exercise, description, source)
+                    report.append(f"{exercise}: '{description}' lost at least {r.points_lost:g}/{r.points_possible:g} "
+                                  f"({', '.join(r.failed_tests) or 'no test failed'}; {time.perf_counter() - t2:.1f} s)")
+                    if r.points_lost == 0:
+                        result["missed"].append(report[-1])
+            for exercise, variants in correct_variants(lab).items():
+                for description, source in variants:
+                    t2 = time.perf_counter()
+                    r = live.try_wrong_answer(exercise, description, source, stop_at_first_failure=False)
+                    report.append(f"{exercise}: correct variant '{description}' lost "
+                                  f"{r.points_lost:g}/{r.points_possible:g} ({time.perf_counter() - t2:.1f} s)")
+                    if r.points_lost:
+                        result["punished"].append(f"{report[-1]} ({r.failed_tests})")
+            times["wrong-answer checks"] = time.perf_counter() - t1
+    except LabRaised as e:
+        result["raised"] = str(e)
+    return result
+
+
+# A lab's live check takes at most this long on the idle 2-core CI machine (lab 00, the dearest, took 209 s at a load
+# of about 2), stretched by the load when it starts; past it the background lane stops the check and its test fails.
+LIVE_CHECK_LIMIT_S = 600
+
+
+class BackgroundLabChecks:
+    """A second lane for tests/test_labs.py::test_wrong_answers_lose_points: each selected lab's ``live_check`` runs
+    exactly once, either in its test (the foreground, from the first lab on) or in this lane, which takes the labs
+    from the last one backwards in a subprocess of its own (its kernel and torchrun runs get one core's share,
+    BACKGROUND_ENV, as the autogrades do) until the two meet. It starts on the background pool after the autogrades,
+    so it fills the time the tests before tests/test_labs.py spend waiting (browsers, Slurm, timeouts), and then
+    runs one lab beside the foreground's: a lab's checks are a kernel's single-threaded Python between torchrun
+    starts, so two at a time keep both cores busy. ``claim(lab)`` is the foreground's side: None when the test is to
+    run the lab itself, else the Future of the lane's result (live_check's dict, plus ``seconds`` and ``log``)."""
+
+    def __init__(self, labs: list[str], work: Path, pool: ThreadPoolExecutor):
+        self.order = list(labs)
+        self.work = work
+        self.lock = threading.Lock()
+        self.claimed: dict[str, Future | None] = {}   # lab -> the lane's Future, or None once the foreground has it
+        self.stopping = False
+        self.pool = pool
+        pool.submit(self._lane)
+
+    def claim(self, lab: str) -> Future | None:
+        with self.lock:
+            if self.claimed.get(lab) is not None:
+                return self.claimed[lab]
+            self.claimed[lab] = None
+            return None
+
+    def _lane(self) -> None:
+        while True:
+            with self.lock:
+                pending = [lab for lab in self.order if lab not in self.claimed]
+                if self.stopping or not pending:
+                    return
+                lab, future = pending[-1], Future()
+                self.claimed[lab] = future
+            try:
+                future.set_result(self._run(lab))
+            except BaseException as e:   # never leave the foreground waiting on a Future nobody completes
+                future.set_exception(e)
+
+    def _run(self, lab: str) -> dict:
+        import psutil
+
+        workdir = self.work / lab
+        workdir.mkdir(parents=True, exist_ok=True)
+        out, log = self.work / f"{lab}.json", self.work / f"{lab}.log"
+        env = {**os.environ, **BACKGROUND_ENV,
+               "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+        limit = scaled_timeout(LIVE_CHECK_LIMIT_S)
+        t0 = time.perf_counter()
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen([sys.executable, __file__, lab, str(workdir / lab), str(out)], env=env,
+                                    stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
+            try:
+                proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+                proc.wait()
+        seconds = time.perf_counter() - t0
+        tail = log.read_text(errors="replace")[-3000:]
+        if not out.is_file():
+            how = f"ran past its limit of {limit} s and was stopped" if seconds >= limit else f"exited {proc.returncode}"
+            raise RuntimeError(f"{lab}: the background lane's live check {how} and wrote no result; its log "
+                               f"({log}) ends:\n{tail}")
+        return {**json.loads(out.read_text()), "seconds": seconds, "log": str(log)}
+
+    def close(self) -> None:
+        with self.lock:
+            self.stopping = True
+
+
+if __name__ == "__main__":   # BackgroundLabChecks's subprocess: python labkit.py LAB WORKDIR OUT_JSON
+    _lab, _workdir, _out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    Path(_out).write_text(json.dumps(live_check(_lab, _workdir)))
