@@ -20,6 +20,11 @@ import pytest
 import labkit
 
 LABS = labkit.labs()
+# LAB_CHECKS_LAST: the labs' live checks and the autograde results come after the other files' tests (only the book,
+# which is built from them, comes later). The tests that mostly wait (tests/test_launch.py's hangs and timeouts,
+# tests/test_multinode.py's nodes and Slurm) then run while the background pool works (the autogrades, then the live
+# checks' second lane), instead of at the end with one core idle; on the 2-core machine that tail took 6 minutes at
+# about 55% of the cores.
 
 
 def _diff(a, b) -> list[str]:
@@ -95,6 +100,7 @@ def test_every_exercise_has_tests_and_a_wrong_answer(lab):
 
 
 @pytest.mark.slow
+@pytest.mark.order(-2)   # after every other file's tests, before the book (LAB_CHECKS_LAST)
 @pytest.mark.parametrize("lab", LABS)
 def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutions, background_lab_checks):
     """The solution runs top to bottom at the sizes a student runs (the first error fails the test at once, with
@@ -120,6 +126,7 @@ def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutio
 
 
 @pytest.mark.slow
+@pytest.mark.order(-2)   # after every other file's tests, before the book (LAB_CHECKS_LAST)
 @pytest.mark.parametrize("lab", LABS)
 def test_solution_full_marks_and_release_zero(lab, lab_times, autograded_solutions, background_autogrades):
     grading = background_autogrades.result(lab)
