@@ -339,6 +339,7 @@ class BackgroundLabChecks:
         self.lock = threading.Lock()
         self.claimed: dict[str, Future | None] = {}   # lab -> the lane's Future, or None once the foreground has it
         self.stopping = False
+        self.running: subprocess.Popen | None = None   # the lane's subprocess now, for close()
         self.pool = pool
         pool.submit(self._lane)
 
@@ -363,8 +364,6 @@ class BackgroundLabChecks:
                 future.set_exception(e)
 
     def _run(self, lab: str) -> dict:
-        import psutil
-
         workdir = self.work / lab
         workdir.mkdir(parents=True, exist_ok=True)
         out, log = self.work / f"{lab}.json", self.work / f"{lab}.log"
@@ -373,17 +372,17 @@ class BackgroundLabChecks:
         limit = scaled_timeout(LIVE_CHECK_LIMIT_S)
         t0 = time.perf_counter()
         with open(log, "w") as log_file:
-            proc = subprocess.Popen([sys.executable, __file__, lab, str(workdir / lab), str(out)], env=env,
-                                    stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
+            with self.lock:
+                if self.stopping:
+                    raise RuntimeError(f"{lab}: the session ended before the background lane started its check")
+                proc = self.running = subprocess.Popen([sys.executable, __file__, lab, str(workdir / lab), str(out)],
+                                                       env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
             try:
                 proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
-                for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-                    try:
-                        p.kill()
-                    except psutil.Error:
-                        pass
-                proc.wait()
+                _kill_tree(proc)
+            finally:
+                self.running = None
         seconds = time.perf_counter() - t0
         tail = log.read_text(errors="replace")[-3000:]
         if not out.is_file():
@@ -393,8 +392,28 @@ class BackgroundLabChecks:
         return {**json.loads(out.read_text()), "seconds": seconds, "log": str(log)}
 
     def close(self) -> None:
+        """At the session's end (every selected lab claimed) nothing runs; after pytest -x stopped the session early,
+        the lab the lane is checking has no test left to report it: its process tree is stopped, not waited for."""
         with self.lock:
             self.stopping = True
+            if self.running is not None:
+                _kill_tree(self.running)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a process and every process below it (a kernel, torchrun and its ranks), then reap it."""
+    import psutil
+
+    try:
+        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.Error:
+        family = []
+    for p in family:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
 
 
 if __name__ == "__main__":   # BackgroundLabChecks's subprocess: python labkit.py LAB WORKDIR OUT_JSON
