@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
+from instructor.dispatch import grade_class
 from instructor.grading import (CourseLayout, StudentGrade, _nbgrader, collect_submissions, grade,  # noqa: F401
-                                grade_class, infrastructure_failures, write_report)
+                                infrastructure_failures, write_report)
 
 REPO = Path(__file__).resolve().parent.parent
 SOLUTIONS, LABS = REPO / "solutions", REPO / "labs"
@@ -64,16 +66,22 @@ def execute(lab: str, student_version: bool = False, out_root: Path = REPO / "ex
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
     path = dst / f"{lab}.ipynb"
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=cell_timeout_s, kernel_name="python3",
-                            allow_errors=student_version, resources={"metadata": {"path": str(dst)}})
+    from traitlets.config import Config
+
     t0 = time.perf_counter()
     os.environ["LABLIB_HEADLESS"] = "1"  # the kernel inherits it: widgets draw once, statically
     os.environ.pop("NBGRADER_EXECUTION", None)  # the sizes a student runs, never nbgrader's (inherited from a shell)
-    try:
-        client.execute()
-    finally:
-        seconds = time.perf_counter() - t0
-        nbformat.write(nb, path)
+    with tempfile.TemporaryDirectory(prefix="lablib-kernel-") as sockets:
+        # The kernel talks over Unix sockets in a private folder, not TCP on localhost: nothing else on the machine
+        # can reach it, and ipykernel has no "running over TCP without encryption" warning to print.
+        ipc = Config({"KernelManager": {"transport": "ipc", "ip": str(Path(sockets) / "kernel")}})
+        client = NotebookClient(nb, timeout=cell_timeout_s, kernel_name="python3", config=ipc,
+                                allow_errors=student_version, resources={"metadata": {"path": str(dst)}})
+        try:
+            client.execute()
+        finally:
+            seconds = time.perf_counter() - t0
+            nbformat.write(nb, path)
     return path, seconds
 
 

@@ -3,6 +3,7 @@ submissions cost their students points, never the run, and no kernel survives. (
 the serial mode is test_grade_parallel.py's release student.)"""
 
 import csv
+import re
 import subprocess
 import zipfile
 
@@ -80,7 +81,9 @@ def test_grade_a_zip_export(tmp_path):
         zf.writestr(f"dave_1004_2004_{LAB}.ipynb", nbformat.writes(first_cell_runs(HANGS)))
 
     out = tmp_path / "grades"
-    run_grade(export, "--out", out, timeout=class_timeout(), students=2)
+    graded = run_grade(export, "--out", out, timeout=class_timeout(), students=2)
+    # The serial mode says after each student how far it is, as --jobs does: never minutes of silence.
+    assert re.search(rf"\[grade {LAB}\] 1/(\d+) done, .*\n(.*\n)*\[grade {LAB}\] \1/\1 done", graded.stdout), graded.stdout
     rows = {row["student"]: row for row in csv.DictReader(open(out / "grades.csv"))}
     assert set(rows) == {"alice", "carol", "dave"}, rows
     assert float(rows["alice"]["auto_max"]) > 2
