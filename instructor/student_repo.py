@@ -12,7 +12,9 @@ reads every file written and refuses the result if any holds a line of a solutio
 from __future__ import annotations
 
 import argparse
+import io
 import re
+import tokenize
 import shutil
 import subprocess
 import sys
@@ -31,24 +33,59 @@ MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN T
 
 
 def substantial(line: str) -> bool:
-    """A line worth protecting: 25+ non-space characters, not a comment or a docstring quote."""
+    """A line worth protecting: 25+ non-space characters of code, not a comment or a docstring quote."""
     line = line.strip()
-    return len("".join(line.split())) >= 25 and not line.startswith(("#", '"""', "'''"))
+    return len(code_key(line)) >= 25 and not line.startswith(("#", '"""', "'''"))
 
 
-def protected_lines() -> dict[str, str]:
-    """Every substantial line of a solution region or hidden test -> the lab it comes from, leaving out lines
-    that the source also shows outside those regions (a visible line a hidden test repeats is no secret)."""
-    protected: dict[str, str] = {}
+def code_key(line: str) -> str:
+    """A line's code with its comment and every space taken out, so that ``x = f(a)  # why`` and ``x=f(a)`` compare
+    equal: a trailing comment or a reformatting does not hide a copied answer line. A line that is part of a longer
+    statement (an open bracket, a string that goes on) keeps the tokens read before the break."""
+    kept = []
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline):
+            if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                  tokenize.ENDMARKER):
+                kept.append(token.string)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        if not kept:   # e.g. the middle of a triple-quoted string: its text, without spaces
+            return "".join(line.split())
+    return "".join("".join(kept).split())
+
+
+# Answer lines that are fair to share, each with the reason (compared as code, like every other line).
+FAIR_TO_SHARE = {code_key(line): why for line, why in {
+    "model.finish_gradient_synchronization()":
+        "lab 11's sync_gradients for lab 06's classes is lab 06's published contract (both released notebooks name "
+        "the method: wait for every handle); the course's own runs of lab 06's classes (lablib.runs.ddp_overlap) make "
+        "the same call, and the exercise grades the plumbing around it",
+    "dist.destroy_process_group()":
+        "lab 00's script skeleton ends with it in `finally`, as every course step does (lablib.jobs.distenv); the "
+        "exercise grades where it stands and what surrounds it, not the call",
+    "n, rank = comm.world_size, comm.rank":
+        "an unpacking of the communicator's two public fields, which any code over that communicator starts with",
+    "q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))":
+        "the course GPT's own head split (lablib.course.models, which lab 08 parallelises): the exercise is which "
+        "heads each rank keeps and the f/g around them, not the reshape",
+}.items()}
+
+
+def protected_lines() -> dict[str, tuple[str, str]]:
+    """Every substantial line of a solution region or hidden test -> (the lab it comes from, the line), keyed by its code
+    (``code_key``), leaving out lines that the source also shows outside those regions (a visible line a hidden test
+    repeats is no secret) and the few lines of FAIR_TO_SHARE."""
+    protected: dict[str, tuple[str, str]] = {}
     for lab in all_labs():
         cells = nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4).cells
-        visible = {line.strip() for cell in cells
+        visible = {code_key(line) for cell in cells
                    for line in HIDDEN_REGION.sub("", SOLUTION_REGION.sub("", cell.source)).splitlines()}
         for cell in cells:
             for region in SOLUTION_REGION.findall(cell.source) + HIDDEN_REGION.findall(cell.source):
                 for line in region.splitlines():
-                    if substantial(line) and line.strip() not in visible:
-                        protected.setdefault(line.strip(), lab)
+                    key = code_key(line)
+                    if substantial(line) and key not in visible and key not in FAIR_TO_SHARE:
+                        protected.setdefault(key, (lab, line.strip()))
     return protected
 
 
@@ -74,8 +111,8 @@ def audit(root: Path) -> list[str]:
             found.append(f"{path.relative_to(root)}: reaches the instructor's package: "
                          f"{REACHES_INSTRUCTOR.search(text).group(0).strip()!r}")
         for line in text.splitlines():
-            if line.strip() in protected:
-                found.append(f"{path.relative_to(root)}: a line of {protected[line.strip()]}'s answers: {line.strip()!r}")
+            if code_key(line) in protected:
+                found.append(f"{path.relative_to(root)}: a line of {protected[code_key(line)][0]}'s answers: {line.strip()!r}")
     return found
 
 

@@ -22,7 +22,8 @@ from nbclient import NotebookClient
 
 from instructor.course import LABS, REPO, SOLUTIONS, all_labs
 
-from instructor.student_repo import HIDDEN_REGION, SOLUTION_REGION, substantial  # noqa: F401 - used by the tests
+from instructor.student_repo import (FAIR_TO_SHARE, HIDDEN_REGION, SOLUTION_REGION, code_key,  # noqa: F401 - the tests'
+                                     substantial)
 
 
 def labs() -> list[str]:
