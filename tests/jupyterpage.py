@@ -130,7 +130,7 @@ def settled(page, path: str, code_cells: int, figure, quiet_s: float = 2.0) -> s
 
 @contextmanager
 def shut_down_after(page, path: str):
-    """Shut the notebook's kernel down at the end (with LABS_BROWSER_LAB=all, eleven kernels would stay up)."""
+    """Shut the notebook's kernel down at the end (with LABS_BROWSER_LAB=all, one kernel per lab would stay up)."""
     try:
         yield
     finally:

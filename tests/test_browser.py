@@ -5,7 +5,7 @@ launchers/lab runs in a copy of the repository's course files (same launcher, sa
 browser runs write their files there, never into labs/ or solutions/. Screenshots go to test-artifacts/browser/.
 A missing Chromium fails these tests (it does not skip them): .ci/run installs it.
 
-Which labs' solutions run in the browser (each takes 1.5-3 min, too much for all eleven in every CI run):
+Which labs' solutions run in the browser (each takes 1.5-3 min, too much for all fourteen in every CI run):
 - by default one lab, rotating: the git commit of HEAD (as a hexadecimal number) modulo the number of labs, so
   every commit runs a lab, the same lab each time for that commit, and the labs take turns over the commits;
 - LABS_BROWSER_LAB=03 (or 3, 03_amdahl_scaling, or a list 00,03) runs those; LABS_BROWSER_LAB=all runs them all.

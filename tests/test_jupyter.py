@@ -77,3 +77,13 @@ def test_nbgrader_and_widget_extensions_are_enabled(server):
     # nbgrader's server side (the Validate button and the formgrader) answers too.
     status, _ = get(f"{base}/formgrader", token)
     assert status == 200
+
+
+def test_no_news_prompt_and_no_update_check(server):
+    # The course's settings overrides (launchers/lab): a student is not asked "Would you like to get notified about
+    # official Jupyter news?" on the first start, and JupyterLab does not look for updates.
+    base, token = server
+    status, body = get(f"{base}/lab/api/settings/@jupyterlab/apputils-extension:notification", token)
+    assert status == 200
+    defaults = {name: spec.get("default") for name, spec in json.loads(body)["schema"]["properties"].items()}
+    assert defaults.get("fetchNews") == "false" and defaults.get("checkForUpdates") is False, defaults
