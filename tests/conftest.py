@@ -18,6 +18,39 @@ SHARED_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 if "LABLIB_SHAKESPEARE" not in os.environ and SHARED_TEXT.is_file():
     os.environ["LABLIB_SHAKESPEARE"] = str(SHARED_TEXT)
 
+# Every test file belongs to one tier (a marker of the same name on each of its tests):
+#   unit:   seconds, no process started;
+#   ranks:  multi-process steps on gloo (torchrun, the launcher, teardown and hangs);
+#   labs:   whole notebooks (nbgrader autogrades, live kernels, the book);
+#   system: the browser, JupyterLab, Slurm, grading a class, several nodes, the student repository.
+# `launchers/test --fast` runs unit and ranks (-m "unit or ranks"); a new test file is added here, or collection fails.
+TIERS = {
+    "unit": ["test_checks", "test_config", "test_data", "test_layout", "test_models", "test_plots", "test_lablib_commcost",
+             "test_lablib_cp", "test_lablib_ep_probes", "test_lablib_memory_timeline"],
+    "ranks": ["test_distenv", "test_launch", "test_teardown", "test_lablib_benchmark", "test_lablib_checkpointing",
+              "test_lablib_counting", "test_lablib_ddp_scratch", "test_lablib_memory", "test_lablib_p2p",
+              "test_lablib_pipeline_probes", "test_lablib_scaling", "test_lablib_strategies", "test_lablib_timing",
+              "test_lablib_tp_probes", "test_lablib_zero_probes"],
+    "labs": ["test_labs", "test_book", "test_course", "test_grade_in_place"],
+    "system": ["test_browser", "test_jupyter", "test_multinode", "test_grade_cli", "test_grade_parallel",
+               "test_grade_slurm", "test_grade_hostile", "test_student_repo"],
+}
+TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+
+
+def pytest_configure(config):
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: a test of the {tier} tier (tests/conftest.py TIERS)")
+
+
+def pytest_collection_modifyitems(config, items):
+    unknown = sorted({item.path.stem for item in items if item.path.stem not in TIER_OF})
+    if unknown:
+        raise pytest.UsageError(f"test files with no tier: {unknown}; add each to TIERS in tests/conftest.py")
+    for item in items:
+        item.add_marker(getattr(pytest.mark, TIER_OF[item.path.stem]))
+
+
 LAB_TIMES: dict[str, dict[str, float]] = {}
 SESSION_START = time.time()   # conftest is imported when the session starts
 # Every test parametrized with a lab (its id names it) is charged to that lab: the CI cost of a lab, all of
