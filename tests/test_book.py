@@ -5,7 +5,10 @@ notebooks that tests/test_labs.py's live-kernel run of each solution leaves behi
 the sizes a student runs (no NBGRADER_EXECUTION), as the book shows the labs. They are put into the book's
 execution cache and the build executes nothing. That test therefore runs last (pytest-order) and only with
 those tests (it is `slow` like them). The built book stays in test-artifacts/book/html for a person to look at.
-The staging of the sources (model answers in boxes, nbgrader's markers gone) is checked first, in seconds.
+The staging of the sources (model answers in boxes, nbgrader's markers gone) is checked first, in seconds, and one
+lab's page built without executing it (answers folded, hidden tests gone, code that fits in Chromium, folds open in
+print). The whole book's check adds every page: no grader code anywhere in the site, no open answer, and no code line
+cut at 1024 px or 1300 px.
 """
 
 from __future__ import annotations
@@ -363,6 +366,7 @@ def test_a_page_without_outputs_folds_answers_prints_them_and_fits(tmp_path, chr
     check_answers(lab, page_file.read_text())
     check_folds(lab, page_file.read_text())
     check_site_has_no_grader_code(result.html)
+    check_front_page(result.html)
     for width, height in WINDOWS:
         cut = cut_code_lines(chromium, page_file, width, height)
         assert not cut, f"at {width} px {len(cut)} code lines of {lab}'s page are cut, e.g. {cut[:2]}"
@@ -420,6 +424,7 @@ def check_book(labs: list[str], seeds: dict[str, Path]) -> None:
     assert (site / "_static" / "mathjax" / "tex-chtml.js").is_file(), "MathJax should ship with the book (offline formulas)"
     assert not MARKERS.search((site / "searchindex.js").read_text()), "nbgrader's markers should not be searchable titles"
     check_site_has_no_grader_code(site)
+    check_front_page(site)
     check_code_fits(site, labs)
 
     for lab in labs:
@@ -446,6 +451,16 @@ def check_book(labs: list[str], seeds: dict[str, Path]) -> None:
         assert all((site / p).stat().st_size > 1000 for p in pictures), f"{lab}: an image file is missing or empty"
         assert "the sizes a student runs" in text.split("Learning objectives.", 1)[0], \
             f"{lab}'s page should say its execution was at a student's sizes"
+
+
+def check_front_page(site: Path) -> None:
+    """The front page says, before anything else, that the book holds every answer and who should not get it."""
+    article = re.search(r"<article[^>]*>(.*)</article>", (site / "index.html").read_text(), re.S).group(1)
+    text = " ".join(re.sub(r"<[^>]+>", " ", article).split())
+    first = text.find("This book holds every answer")
+    assert first != -1 and "do not give the book" in text[first:first + 600], \
+        "the front page should say plainly that the book holds every answer, and not to give it to graded students"
+    assert first < text.find("The labs, in order"), "the warning belongs at the top of the front page"
 
 
 def check_site_has_no_grader_code(site: Path) -> None:
