@@ -60,10 +60,15 @@ def code_as_shown(source: str) -> str:
     return CODE_MARKER.sub(lambda m: m.group(1) + CODE_MARKER_SHOWN[m.group(2)], source)
 
 
+def fence_for(body: str) -> str:
+    """A backtick fence longer than any run of backticks in the body, so that fenced blocks inside it nest."""
+    return "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", body)), default=0))
+
+
 def admonition(title: str, body: str) -> str:
     """A MyST admonition box (class model-answer or grader-rubric); its fence is longer than any run of backticks in
     the body, so that code blocks inside it nest."""
-    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", body)), default=0))
+    fence = fence_for(body)
     css = "model-answer tip" if title == MODEL_ANSWER else "grader-rubric note"
     return f"{fence}{{admonition}} {title}\n:class: {css}\n\n{body.strip()}\n{fence}"
 

@@ -30,15 +30,14 @@ import re
 import shutil
 import sys
 import time
+import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-import tomllib
-
-from book.answers import (HIDE_ANSWER, SHOW_ANSWER, code_as_shown, free_text_answer, is_answer_cell,
+from book.answers import (HIDE_ANSWER, SHOW_ANSWER, code_as_shown, fence_for, free_text_answer, is_answer_cell,
                           is_answer_code_cell, is_hidden_test_cell)
 from instructor.course import LABS, REPO, SOLUTIONS, all_labs, find_lab
 
@@ -134,7 +133,7 @@ def released_exercises(lab: str) -> dict[str, str]:
 
 
 def fenced(code: str, language: str = "ipython3") -> str:
-    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", code)), default=0))
+    fence = fence_for(code)
     return f"{fence}{language}\n{code.rstrip()}\n{fence}"
 
 

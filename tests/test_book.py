@@ -465,8 +465,8 @@ def check_front_page(site: Path) -> None:
 
 def check_site_has_no_grader_code(site: Path) -> None:
     """No file of the published site holds the hidden tests (a page, the search index, a copied source)."""
-    holding = [p.relative_to(site) for p in site.rglob("*") if p.is_file() and p.suffix in (".html", ".js", ".txt", ".ipynb", ".json")
-               and HIDDEN.search(p.read_text(errors="replace"))]
+    text_files = [p for p in site.rglob("*") if p.is_file() and p.suffix in (".html", ".js", ".txt", ".ipynb", ".json")]
+    holding = [p.relative_to(site) for p in text_files if HIDDEN.search(p.read_text(errors="replace"))]
     assert not holding, f"the book's site holds the grader's hidden tests in {holding}"
     assert not any((site / "_sources").glob("*")), "the staged sources (with the hidden tests) must not be published"
 
