@@ -5,8 +5,10 @@
 Sphinx with MyST-NB does the work (book/conf.py). This module stages the sources first, in lab order:
 each solution notebook gets a header (the machine its figures were measured on, measured by a hidden
 first cell in the kernel that executes it; how to open it in JupyterLab) and links where it names
-another lab; its free-text answers are shown in labelled boxes, with nbgrader's markers gone (book/answers.py);
-index.md lists the labs with their objectives and run times.
+another lab; its model answers, code and free-text, are folded behind a "Show the model answer" control, under the
+exercise as a student's copy shows it, with nbgrader's markers gone (book/answers.py); the cells with the grader's
+hidden tests are removed (they still run, so that the outputs are the solution's) and a line in words, from
+book/grader_checks.toml, says what each one checks; index.md lists the labs with their objectives and run times.
 
 The book shows the labs at the sizes a student runs: the executing kernels never see NBGRADER_EXECUTION
 (it is removed from the environment they inherit, should the build be started from a grading shell).
@@ -28,14 +30,16 @@ import re
 import shutil
 import sys
 import time
+import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-from book.answers import code_as_shown, free_text_answer, is_answer_cell
-from instructor.course import REPO, SOLUTIONS, all_labs, find_lab
+from book.answers import (HIDE_ANSWER, SHOW_ANSWER, code_as_shown, fence_for, free_text_answer, is_answer_cell,
+                          is_answer_code_cell, is_hidden_test_cell)
+from instructor.course import LABS, REPO, SOLUTIONS, all_labs, find_lab
 
 BOOK = Path(__file__).resolve().parent
 BUILD = BOOK / "_build"
@@ -109,9 +113,45 @@ def open_in_jupyterlab(lab: str) -> str:
             f"with the exercises, `labs/{path}`. `launchers/lab --execute {lab[:2]}` runs it headless.")
 
 
+def grader_checks(lab: str) -> dict[str, str]:
+    """grade_id -> what that test cell checks, in words (book/grader_checks.toml; the book shows this line instead
+    of the cell)."""
+    return tomllib.loads((BOOK / "grader_checks.toml").read_text()).get(lab, {})
+
+
+def grade_id(cell) -> str:
+    return cell.metadata.get("nbgrader", {}).get("grade_id", "")
+
+
+def released_exercises(lab: str) -> dict[str, str]:
+    """grade_id -> the source of each exercise cell as the student's copy (labs/, made by nbgrader) has it."""
+    path = LABS / lab / f"{lab}.ipynb"
+    if not path.is_file():
+        return {}
+    return {grade_id(c): c.source for c in nbformat.read(path, as_version=4).cells
+            if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution")}
+
+
+def fenced(code: str, language: str = "ipython3") -> str:
+    fence = fence_for(code)
+    return f"{fence}{language}\n{code.rstrip()}\n{fence}"
+
+
+def grader_line(cell, checks: dict[str, str]) -> nbformat.NotebookNode:
+    points = cell.metadata.get("nbgrader", {}).get("points")
+    said = checks.get(grade_id(cell), "further cases that this book does not list (book/grader_checks.toml has "
+                                      f"no line for `{grade_id(cell)}`).")
+    points_text = f" ({points:g} point{'s' if points != 1 else ''})" if isinstance(points, (int, float)) else ""
+    return nbformat.v4.new_markdown_cell(f"**What the grader checks{points_text}:** {said}",
+                                         metadata={"book": {"grader_checks": grade_id(cell)}})
+
+
 def staged_notebook(lab: str, labs: list[str]) -> nbformat.NotebookNode:
-    """The solution with the book's header cells, links between labs, model answers in boxes, no outputs."""
+    """The solution with the book's header cells, links between labs, model answers folded, the grader's hidden
+    tests removed (said in words instead), no outputs."""
     nb = nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4)
+    checks, released = grader_checks(lab), released_exercises(lab)
+    cells = []
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             # Links first: link_labs leaves fenced text alone, and the boxes are fenced.
@@ -119,8 +159,25 @@ def staged_notebook(lab: str, labs: list[str]) -> nbformat.NotebookNode:
             if is_answer_cell(cell):
                 cell.source = free_text_answer(cell.source)
         elif cell.cell_type == "code":
+            tags = cell.metadata.setdefault("tags", [])
+            answer = is_answer_code_cell(cell)
             cell.source = code_as_shown(cell.source)
             cell.outputs, cell.execution_count = [], None
+            if is_hidden_test_cell(cell):
+                # Removed from the page (MyST-NB drops the cell, input and output) but executed like the rest, so the
+                # cells after it see the state it leaves and the execution is the solution's, as seeded by the suite.
+                tags.append("remove-cell")
+                cells += [cell, grader_line(cell, checks)]
+                continue
+            if answer:
+                if grade_id(cell) in released:
+                    cells.append(nbformat.v4.new_markdown_cell(
+                        "**Exercise** (the cell as your copy of the lab has it; try it before you open the answer):"
+                        f"\n\n{fenced(released[grade_id(cell)])}", metadata={"book": {"exercise": grade_id(cell)}}))
+                tags.append("hide-input")
+                cell.metadata["mystnb"] = {"code_prompt_show": SHOW_ANSWER, "code_prompt_hide": HIDE_ANSWER}
+        cells.append(cell)
+    nb.cells = cells
     title_cell = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown")
     machine = nbformat.v4.new_code_cell(machine_cell_source(), metadata={"tags": ["remove-input"]})
     opener = nbformat.v4.new_markdown_cell(open_in_jupyterlab(lab))

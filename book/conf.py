@@ -36,4 +36,24 @@ html_theme_options = {
     "navigation_with_keys": True,
 }
 html_show_sourcelink = False
+# The staged sources hold the grader's hidden tests (removed from the pages, still executed): never publish them
+# (no _sources/ folder, and the download button offers only the page's PDF, not its .ipynb).
+html_copy_source = False
+# Model answers folded (native <details>, no script needed; open in print), code that wraps instead of being cut.
+html_static_path = ["_static"]
+html_css_files = ["book.css"]
+html_js_files = ["book.js"]
 suppress_warnings = ["mystnb.unknown_mime_type"]
+
+
+def _print_button_only(app, pagename, templatename, context, doctree):
+    """The theme's download menu without its source links (_sources/ is not published): 'Print to PDF' only."""
+    for group in context.get("header_buttons", []):
+        if group.get("label") == "download-buttons":
+            group["buttons"] = [b for b in group["buttons"]
+                                if b.get("label") not in ("download-source-button", "download-notebook-button")]
+
+
+def setup(app):
+    # After sphinx-book-theme's own handler (priority 501) has added the buttons.
+    app.connect("html-page-context", _print_button_only, priority=900)
