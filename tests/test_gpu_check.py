@@ -9,22 +9,23 @@ from pathlib import Path
 
 import pytest
 
+import labkit
 from lablib.gpucheck import exercise_files, gpu_checks, runner, steps
 from lablib.jobs import config as cfg
 from lablib.jobs import launch
 
 REPO = Path(__file__).resolve().parents[1]
-# On this course's 2-core CI machine the quick path takes about 60 s while other work runs; the test's own limit
-# is the issue's 2 minutes, so a quick path that grows past it fails here first.
+# The quick path may take at most 2 minutes on the 2-core CI machine (stretched by the load now, as every start-up
+# timeout of the suite is: labkit.scaled_timeout); measured: 89 s at a load of 11 on 2 cores.
 QUICK_LIMIT_S = 120
 
 
 def test_quick_path_on_the_cpu_runs_and_reports(tmp_path):
-    t0 = time.monotonic()
+    t0, factor = time.monotonic(), labkit.load_factor()
     done = subprocess.run([str(REPO / "launchers" / "gpu-check"), "--out-dir", str(tmp_path)],
                           env={**os.environ, "LABLIB_DEVICE": "cpu"}, capture_output=True, text=True,
-                          timeout=QUICK_LIMIT_S + 60)
-    wall = time.monotonic() - t0
+                          timeout=labkit.scaled_timeout(QUICK_LIMIT_S) + 60)
+    wall, factor = time.monotonic() - t0, max(factor, labkit.load_factor())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (report_path,) = tmp_path.glob("gpu-check-*.json")
     report = json.loads(report_path.read_text())
@@ -40,7 +41,8 @@ def test_quick_path_on_the_cpu_runs_and_reports(tmp_path):
         o = by_name[name]
         assert (o["status"], o["device"], o["backend"], o["error"]) == ("pass", "cpu", "gloo", ""), o
         assert 0 < o["seconds"] < report["total_s"]
-        assert f"| {name} | {o['nproc']} | cpu | gloo | pass |" in markdown
+        assert f"| {name} | {o['nproc']} | cpu | gloo | pass ({o['judged_by']}) |" in markdown
+    assert by_name["01 grad_accum"]["judged_by"] == "lab checks"
     assert report["machine"]["gpus"] == 0 and report["quick"] and report["total_s"] <= report["budget_s"]
     assert report["sources"]["01_gradient_accumulation"]["files_from"].startswith("solutions/")
     assert not list(tmp_path.glob("*-work")), "the steps' working folder is removed"
@@ -53,7 +55,8 @@ def test_quick_path_on_the_cpu_runs_and_reports(tmp_path):
     off = {**zero, exact[0]: zero[exact[0]] + 4}
     worse = runner.compare_figures(off, zero, ("params", "grads", "optimizer"))
     assert not worse["agree"] and worse["unequal"] == [exact[0]]
-    assert wall < QUICK_LIMIT_S, f"the quick path took {wall:.0f} s; CI allows {QUICK_LIMIT_S} s"
+    assert wall < QUICK_LIMIT_S * factor, (f"the quick path took {wall:.0f} s; CI allows {QUICK_LIMIT_S} s on an idle "
+                                           f"machine, {QUICK_LIMIT_S * factor:.0f} s at this load")
 
 
 def test_a_hanging_step_costs_its_limit_and_the_run_goes_on(tmp_path, monkeypatch):
@@ -66,7 +69,7 @@ def test_a_hanging_step_costs_its_limit_and_the_run_goes_on(tmp_path, monkeypatc
     report = runner.run_all(REPO, tmp_path, True, (), budget_s=200, step_limit_s=limit, echo=lambda *_: None)
     hung, after = report["steps"]
     assert hung["status"] == "fail" and f"limit of {limit:.0f} s" in hung["error"], hung
-    assert limit <= hung["seconds"] < limit + 15
+    assert limit <= hung["seconds"] < limit + labkit.scaled_timeout(15)   # stopped at its limit, not at the budget
     assert after["status"] == "pass", after
     assert not [p for p in launch_processes() if "lablib.runs.hello" in p], "the hung step's ranks were stopped"
 
@@ -107,7 +110,7 @@ def test_step_selection_and_bad_selection():
 def test_every_step_is_a_valid_launch_of_its_run_script(tmp_path):
     """Each step's options pass its run script's Config (and world size check) with the lab's exercise files."""
     r = runner.Runner(REPO, tmp_path, 10, 10, 0)
-    r.prepare_labs([])
+    r.prepare_labs()
     here = os.getcwd()
     try:
         for s in steps.lab_steps(False) + steps.lab_steps(True) + steps.GPU_ONLY:
@@ -150,6 +153,12 @@ def test_gpu_only_verdicts_fail_where_they_should():
     assert steps._resume_verdict(resumed) == []
     resumed["metrics"]["steps"] = [{"step": 1, "loss": 2.5000002}]
     assert "differ" in steps._resume_verdict(resumed)[0]
+    # a lab step's verdict is the lab's own check of its result (lab 01: DDP + accumulation vs one process)
+    accum = next(s for s in steps.lab_steps(True) if s.step == "grad_accum")
+    metrics = {"no_sync": {"weight_spread_across_ranks": 0.0}, "max_abs_diff_vs_single_process": 2e-7,
+               "rounding_bound": 1e-6}
+    assert accum.verdict({"metrics": metrics}) == []
+    assert "the lab's check" in accum.verdict({"metrics": {**metrics, "max_abs_diff_vs_single_process": 1e-5}})[0]
     # the bound of lab 12's check: three bf16 roundings of max|V| and the fp32 sums (gpu_checks.cp_bound)
     assert gpu_checks.cp_bound(4.0, 1024) == pytest.approx(4.0 * (3 / 256 + 1024 / 2 ** 24))
 
@@ -160,3 +169,17 @@ def test_gpu_checks_script_runs_under_torchrun_and_declines_the_cpu(tmp_path):
                             timeout_s=120, env={"LABLIB_DEVICE": "cpu"}, quiet=True)
     assert run.returncode == 0, run.output
     assert json.loads(out.read_text())["metrics"] == {"not_run": "this rank runs on cpu"}
+
+
+def test_a_gpu_machine_whose_torch_has_no_cuda_says_so(monkeypatch):
+    monkeypatch.delenv("LABLIB_DEVICE", raising=False)
+    monkeypatch.setattr(runner.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runner.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
+    monkeypatch.setattr(runner.torch.version, "cuda", None)
+    assert "CPU-only build" in runner.cuda_problem()
+    assert "CPU-only build" in runner.why_not_run(steps.GPU_ONLY[0], 0)
+    monkeypatch.setattr(runner.torch.version, "cuda", "12.8")
+    assert "is_available() is False" in runner.cuda_problem()
+    monkeypatch.setattr(runner.shutil, "which", lambda name: None)
+    monkeypatch.setattr(runner.Path, "exists", lambda self: False)
+    assert runner.cuda_problem() == ""

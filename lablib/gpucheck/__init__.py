@@ -6,7 +6,9 @@
 
 The parts, one idea each:
 - ``steps``: what runs. Every lab's multi-process steps (``lablib.runs.<step>`` through ``lablib.jobs.launch.run``)
-  with the options and rank counts the solution notebooks start them with, and the checks only a GPU can show.
+  with the options and rank counts the solution notebooks start them with, and the checks only a GPU can show. A
+  step passes when its run ends well and, where the lab has them in ``lablib.probes``, the lab's own checks of its
+  result pass (the report says which).
   Which device and backend each rank gets is ``lablib.jobs.distenv``'s choice, as in the labs: NCCL with one rank
   per GPU where there are enough GPUs, all ranks on GPU 0 over gloo where there are not (a step whose collectives
   gloo cannot run on GPU tensors falls back to the CPU, and the report lists it).

@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     print(Path(report["paths"][1]).read_text())
     print(f"[gpu-check] report: {report['paths'][0]} and {report['paths'][1]}")
     failed = [o for o in report["steps"] if o["status"] == "fail" or (o["compare"] and o["compare"].get("n_unequal"))]
-    return 1 if failed else 0
+    if report["machine"]["cuda_problem"]:
+        print(f"[gpu-check] not a GPU check: {report['machine']['cuda_problem']}", file=sys.stderr)
+    return 1 if failed or report["machine"]["cuda_problem"] else 0
 
 
 if __name__ == "__main__":

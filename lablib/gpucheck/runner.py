@@ -40,6 +40,7 @@ class Outcome:
     seconds: float = 0.0
     error: str = ""                  # why it failed, or why it did not run
     fallback: str = ""               # distenv's: ranks sharing a GPU over gloo that run on the CPU instead
+    judged_by: str = ""              # "ran" (it ended well, wrote its JSON), "lab checks" or "GPU check" besides
     source: str = ""                 # where the exercise files came from
     compare: dict = field(default_factory=dict)   # against the CPU run: see compare_figures
     figures: dict = field(default_factory=dict)   # the compared figures of this run, {path: number}
@@ -50,6 +51,19 @@ def visible_gpus() -> int:
     if os.environ.get("LABLIB_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available():
         return 0
     return torch.cuda.device_count()
+
+
+def cuda_problem() -> str:
+    """A machine with an NVIDIA driver whose torch cannot use it: said aloud, so that a GPU machine never passes off
+    the CPU quick path as its GPU check ("" when torch sees a GPU, or when there is no NVIDIA driver)."""
+    if torch.cuda.is_available() or not (shutil.which("nvidia-smi") or Path("/proc/driver/nvidia").exists()):
+        return ""
+    if torch.version.cuda is None:
+        return (f"this machine has an NVIDIA driver but torch {torch.__version__} is a CPU-only build: install torch "
+                f"2.13.0's CUDA build into .venv (pip install torch==2.13.0 from the download.pytorch.org/whl/cuXXX "
+                f"index that matches the driver), then run again")
+    return (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but torch.cuda.is_available() is False "
+            f"(a driver older than that CUDA, or CUDA_VISIBLE_DEVICES hiding the GPUs)")
 
 
 def select(gpus: int, quick: bool, only: tuple[str, ...] = ()) -> list[Step]:
@@ -68,7 +82,8 @@ def why_not_run(step: Step, gpus: int) -> str:
     if step.needs and gpus == 0:
         forced = os.environ.get("LABLIB_DEVICE", "").lower() == "cpu"
         return ("not run: LABLIB_DEVICE=cpu forces the CPU" if forced else
-                "not run: no CUDA device (torch.cuda.is_available() is False)") + "; this check needs a GPU"
+                f"not run: {cuda_problem() or 'no CUDA device (torch.cuda.is_available() is False)'}") + \
+            "; this check needs a GPU"
     if step.needs == "cuda2" and gpus < 2:
         return (f"not run: needs 2 GPUs for NCCL (found {gpus}); ranks sharing one GPU over gloo stage their "
                 f"collectives through the host, so there are no NCCL kernels on the GPU's clock to time")
@@ -149,7 +164,7 @@ class Runner:
     def folder(self, lab: str) -> Path:
         return self.work / lab
 
-    def prepare_labs(self, steps: list[Step]) -> None:
+    def prepare_labs(self) -> None:
         """Every lab's exercise files once (lab 11's step reads labs 06-08's from the folders beside its own)."""
         needed: dict[str, set] = {}
         for s in lab_steps(self.gpus > 0) + GPU_ONLY:
@@ -189,7 +204,7 @@ class Runner:
             result = launch.run(step.step, self.options(step), nproc=nproc, timeout_s=limit, quiet=True,
                                 show_progress=False, threads_per_rank=step.threads_per_rank, env=extra,
                                 max_restarts=step.max_restarts)
-            return plain(result), "", time.monotonic() - t0
+            return result, "", time.monotonic() - t0    # a RunResult: the labs' checks read it by attribute too
         except launch.RunTimeout:
             return None, f"stopped at its limit of {limit:.0f} s (every process ended)", time.monotonic() - t0
         except launch.RunError as exc:
@@ -214,17 +229,18 @@ class Runner:
             if step.needs:
                 outcome.device = outcome.backend = ""     # nothing was placed anywhere
             return outcome
+        outcome.judged_by = "GPU check" if step.needs else "lab checks" if step.verdict else "ran"
         result, error, outcome.seconds = self.run_step(step)
         if result is not None:
-            env = result.get("env", {})
+            env = plain(result.get("env", {}))
             outcome.device, outcome.backend = str(env.get("device", device)), env.get("backend", backend)
             outcome.fallback = env.get("fallback", "")
             try:
                 problems = step.verdict(result) if step.verdict else []
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 problems = [f"the result lacks what the check reads: {type(exc).__name__}: {exc}"]
             error = "; ".join(problems)
-            outcome.figures = figures(result, step.exact + step.close)
+            outcome.figures = figures(plain(result), step.exact + step.close)
         outcome.status, outcome.error = ("fail", error) if error else ("pass", "")
         return outcome
 
@@ -236,7 +252,7 @@ class Runner:
         if result is None:
             outcome.compare = {"not_run": f"CPU run failed after {seconds:.0f} s: {error.splitlines()[0][:200]}"}
             return
-        outcome.compare = compare_figures(outcome.figures, figures(result, step.exact + step.close), step.exact)
+        outcome.compare = compare_figures(outcome.figures, figures(plain(result), step.exact + step.close), step.exact)
         outcome.compare["cpu_seconds"] = round(seconds, 1)
 
 
@@ -248,7 +264,9 @@ def run_all(repo: Path, out_dir: Path, quick: bool, only: tuple[str, ...], budge
     work = out_dir / f"gpu-check-{stamp}-work"
     runner = Runner(repo, work, budget_s, step_limit_s, gpus)
     steps = select(gpus, quick, only)
-    runner.prepare_labs(steps)
+    runner.prepare_labs()
+    if cuda_problem() and os.environ.get("LABLIB_DEVICE", "").lower() != "cpu":
+        echo(f"[gpu-check] WARNING: {cuda_problem()}; the steps below run on the CPU")
     echo(f"[gpu-check] {len(steps)} steps on {gpus} GPU(s){' (quick path)' if quick else ''}; budget {budget_s:.0f} s, "
          f"at most {step_limit_s:.0f} s a step")
     outcomes = []
@@ -265,7 +283,8 @@ def run_all(repo: Path, out_dir: Path, quick: bool, only: tuple[str, ...], budge
     report = {
         "machine": {"gpus": gpus, "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)],
                     "cores": launch.available_cores(), "torch": torch.__version__, "python": platform.python_version(),
-                    "LABLIB_DEVICE": os.environ.get("LABLIB_DEVICE", "")},
+                    "torch_cuda": torch.version.cuda, "LABLIB_DEVICE": os.environ.get("LABLIB_DEVICE", ""),
+                    "cuda_problem": "" if os.environ.get("LABLIB_DEVICE", "").lower() == "cpu" else cuda_problem()},
         "quick": quick, "budget_s": budget_s, "step_limit_s": step_limit_s,
         "total_s": round(time.monotonic() - runner.t0, 1),
         "sources": {lab: {"files_from": s, "missing": m} for lab, (s, m) in runner.sources.items()},
@@ -290,14 +309,20 @@ def markdown(report: dict) -> str:
              f"{'quick path' if report['quick'] else 'every step'}; {report['total_s']:.0f} s of a budget of "
              f"{report['budget_s']:.0f} s (at most {report['step_limit_s']:.0f} s a step)",
              "",
+             "pass (ran): the step ended well and wrote its result; (lab checks): and the lab's own checks of that "
+             "result passed; (GPU check): and the GPU-only check's verdict passed.",
+             "",
              "| step | ranks | device | backend | result | s | vs the CPU run |",
              "|---|---|---|---|---|---|---|"]
     for o in report["steps"]:
-        result = o["status"] if o["status"] == "pass" else f"{o['status']}: {o['error'].splitlines()[0][:140]}"
+        result = (f"pass ({o['judged_by']})" if o["status"] == "pass" else
+                  f"{o['status']}: {o['error'].splitlines()[0][:140]}")
         versus = describe_comparison(o["compare"]) or ("(this is the CPU run)" if not m["gpus"] and o["status"] == "pass"
                                                        else "")
         lines.append(f"| {o['name']} | {o['nproc']} | {o['device'] or '-'} | {o['backend'] or '-'} | {result.replace('|', '/')} | "
                      f"{o['seconds']:.1f} | {versus} |")
+    if m.get("cuda_problem"):
+        lines += ["", f"**Not a GPU check:** {m['cuda_problem']}."]
     fallbacks = [o for o in report["steps"] if o["fallback"]]
     if fallbacks:
         lines += ["", "Fallbacks to the CPU (gloo cannot run these collectives on GPU tensors):", ""]

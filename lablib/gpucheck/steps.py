@@ -48,13 +48,52 @@ L05, L06, L07, L08, L09 = ("05_gpt_migration", "06_ddp_from_scratch", "07_zero_f
 L10, L11, L12, L13 = "10_fault_tolerance", "11_strategy_benchmark", "12_context_parallel", "13_expert_parallel"
 
 MiB = 2 ** 20
-# Lab 05's workload (its first cell); on a GPU a student runs the source tutorial's GPT (training.SOURCE_GPT).
+# Lab 05's workload (its first cell); on a GPU a student runs the source tutorial's GPT (training.SOURCE_GPT). Those
+# runs are not compared with the CPU: the same GPT on the CPU would take most of the budget.
 WORKLOAD = dict(steps=34, eval_every=10, batch_size=32, block_size=64, n_layer=2, n_head=4, n_embd=64, lr=3e-3,
                 seed=1, val_batch_size=32, val_blocks=64, measure_steps=10)
 SOURCE_GPT_WORKLOAD = dict(WORKLOAD, block_size=256, n_layer=6, n_head=6, n_embd=384, batch_size=64, lr=1e-3)
 FOUR_RANKS = {"fsdp_impl": "fsdp_impl.py", "steps": 5, "eval_every": 5, "batch_size": 24, "val_batch_size": 24,
               "val_blocks": 48, "n_layer": 3, "n_embd": 48, "seed": 1}
 LOSSES = ("losses", "loss", "train_losses", "val_losses")
+
+
+def _lab_checks(check: Callable[[dict], None]) -> Callable[[dict], list[str]]:
+    """A verdict from the lab's own checks of the step's result (``lablib.probes``: the checks the notebook applies to
+    the same result after the same run): what they raise is the problem."""
+    def verdict(result) -> list[str]:
+        try:
+            check(result["metrics"])
+        except AssertionError as exc:            # lablib.checks.CheckFailed is one
+            return [f"the lab's check: {str(exc).strip().splitlines()[0][:300]}"]
+        return []
+    return verdict
+
+
+def _each(records_of: Callable, check: Callable) -> Callable[[dict], None]:
+    return lambda metrics: [check(r) for r in records_of(metrics)]
+
+
+def _grad_accum(m) -> None:
+    from lablib import checks
+    checks.check_equal(m["no_sync"]["weight_spread_across_ranks"], 0.0, "weights identical on every rank")
+    checks.check_close(m["max_abs_diff_vs_single_process"], 0.0, "max |w_DDP - w_single-process|",
+                       atol=m["rounding_bound"])
+
+
+def _probes():
+    """The labs' probe modules (imported when a verdict runs: the table itself stays cheap to import)."""
+    from lablib.probes import cp_ring, cp_ulysses, ddp, expert_parallel, fault_tolerance, pipeline, tensor_parallel
+    from lablib.probes import zero, zero3
+    return locals()
+
+
+def _probe(module: str, name: str, *args, **kwargs) -> Callable:
+    return lambda r: getattr(_probes()[module], name)(r, *args, **kwargs)
+
+
+def _records(check: Callable) -> Callable[[dict], None]:
+    return lambda m: [check(records) for records in m["records"].values()]
 
 
 def lab_steps(gpu: bool) -> list[Step]:
@@ -67,7 +106,7 @@ def lab_steps(gpu: bool) -> list[Step]:
               "bench_ranks": 2, "repeats": 7, "wire_bytes": MiB}, 4),
         Step("01 grad_accum", L01, "grad_accum",
              {"impl": "accum_impl.py", "accum_steps": 4, "last_micro_batch_size": 8, "steps": 12}, 2,
-             files=("accum_impl.py",), exact=("allreduce_calls_per_step",), quick=True),
+             files=("accum_impl.py",), exact=("allreduce_calls_per_step",), quick=True, verdict=_lab_checks(_grad_accum)),
         Step("02 ring check", L02, "ring_allreduce",
              {"impl": "ring_impl.py", "deadlock_s": 10.0, "world_sizes": (2, 3, 4),
               "sizes": (12, 1001, 12288, 65537, 262144)}, 4, files=("ring_impl.py",)),
@@ -81,40 +120,48 @@ def lab_steps(gpu: bool) -> list[Step]:
                exact=("params", "grads", "optimizer"), close=("losses",), quick=n == 2) for n in (2, 4)],
         Step("05 ddp", L05, "gpt_migration",
              {"variants": "no_comm,ddp,ddp_accum", "ddp_impl": "ddp_impl.py", "ckpt_dir": FRESH_DIR, "trace_step": True,
-              **workload}, 2, files=("ddp_impl.py",), threads_per_rank=1, close=LOSSES),
+              **workload}, 2, files=("ddp_impl.py",), threads_per_rank=1),
         Step("05 fsdp", L05, "gpt_migration",
              {"variants": "fsdp,fsdp_ac", "fsdp_impl": "fsdp_impl.py", "ckpt_dir": FRESH_DIR, "trace_step": True,
-              **workload}, 2, files=("fsdp_impl.py",), threads_per_rank=1, close=LOSSES),
+              **workload}, 2, files=("fsdp_impl.py",), threads_per_rank=1),
         Step("05 fsdp+hsdp x4", L05, "gpt_migration", dict(FOUR_RANKS, variants="fsdp,hsdp", trace_step=True), 4,
              files=("fsdp_impl.py",), threads_per_rank=1, close=LOSSES),
         Step("05 accelerate", L05, "gpt_migration",
              {"variants": "accelerate", "accelerate_impl": "accelerate_impl.py", **workload}, 2,
-             files=("accelerate_impl.py",), threads_per_rank=1, close=LOSSES),
+             files=("accelerate_impl.py",), threads_per_rank=1),
         Step("06 individual", L06, "ddp_scratch",
              {"impl": "ddp_individual_impl.py", "wrapper": "individual", "world_sizes": (2, 3), "cases": ("mlp", "tied")},
-             3, files=("ddp_individual_impl.py",)),
+             3, files=("ddp_individual_impl.py",),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("ddp", "check_probe", "individual")))),
         Step("06 bucketed", L06, "ddp_scratch",
              {"impl": "ddp_bucketed_impl.py", "wrapper": "bucketed", "world_sizes": (2, 3),
-              "cases": ("mlp", "tied", "one_bucket", "reordered")}, 3, files=("buckets_impl.py", "ddp_bucketed_impl.py")),
+              "cases": ("mlp", "tied", "one_bucket", "reordered")}, 3, files=("buckets_impl.py", "ddp_bucketed_impl.py"),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("ddp", "check_probe", "bucketed")))),
         Step("06 overlap", L06, "ddp_overlap", {}, 2, threads_per_rank=1,
              files=("ddp_individual_impl.py", "buckets_impl.py", "ddp_bucketed_impl.py")),
         Step("07 zero1", L07, "zero_scratch", {"impl": "zero1_impl.py", "exercise": "zero1", "runs": ("2:mlp", "3:mlp")},
-             3, files=("zero1_impl.py",)),
+             3, files=("zero1_impl.py",),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("zero", "check_probe", "zero1")))),
         Step("07 zero2", L07, "zero_scratch", {"impl": "zero2_impl.py", "exercise": "zero2", "runs": ("2:mlp", "3:mlp")},
-             3, files=("zero1_impl.py", "zero2_impl.py")),
+             3, files=("zero1_impl.py", "zero2_impl.py"),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("zero", "check_probe", "zero2")))),
         Step("07 zero3", L07, "zero_scratch", {"impl": "zero3_impl.py", "exercise": "zero3", "runs": ("2:mlp", "3:gpt")},
-             3, files=("zero1_impl.py", "zero2_impl.py", "zero3_impl.py")),
+             3, files=("zero1_impl.py", "zero2_impl.py", "zero3_impl.py"),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("zero3", "check")))),
         *[Step(f"07 zero_stages x{n}", L07, "zero_stages", {}, n, files=("zero1_impl.py", "zero2_impl.py", "zero3_impl.py"))
           for n in (2, 4)],
         Step("08 f_g", L08, "tensor_parallel",
              {"impl": "tp_comm_impl.py", "exercise": "f_g", "groups": ("2",), "cases": ("plain",)}, 2,
-             files=("tp_comm_impl.py",)),
+             files=("tp_comm_impl.py",),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("tensor_parallel", "check_f_g")))),
         Step("08 mlp", L08, "tensor_parallel",
              {"impl": "tp_mlp_impl.py", "exercise": "mlp", "groups": ("2",), "cases": ("bias", "nobias", "indivisible"),
-              "steps": 2}, 2, files=("tp_comm_impl.py", "tp_mlp_impl.py")),
+              "steps": 2}, 2, files=("tp_comm_impl.py", "tp_mlp_impl.py"),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("tensor_parallel", "check_record")))),
         Step("08 attention", L08, "tensor_parallel",
              {"impl": "tp_attention_impl.py", "exercise": "attention", "groups": ("2",), "cases": ("bias", "indivisible"),
-              "steps": 2}, 2, files=("tp_comm_impl.py", "tp_attention_impl.py")),
+              "steps": 2}, 2, files=("tp_comm_impl.py", "tp_attention_impl.py"),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("tensor_parallel", "check_record")))),
         Step("08 tp_gpt", L08, "tp_gpt", {"mlp_impl": "tp_mlp_impl.py", "attention_impl": "tp_attention_impl.py",
                                           "steps": 3}, 2,
              files=("tp_comm_impl.py", "tp_mlp_impl.py", "tp_attention_impl.py"), close=LOSSES),
@@ -123,11 +170,13 @@ def lab_steps(gpu: bool) -> list[Step]:
         Step("09 engine", L09, "pipeline",
              {"impl": "engine_impl.py", "cases": ("gpipe:2:4", "1f1b:2:3"),
               "orders": ("F0 F1 F2 F3 B0 B1 B2 B3/F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2"),
-              "p2p_timeout_s": 10.0}, 2, files=("engine_impl.py",)),
+              "p2p_timeout_s": 10.0}, 2, files=("engine_impl.py",),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("pipeline", "check_engine")))),
         Step("09 pipeline_torch", L09, "pipeline_torch", {"n_microbatches": 8, "steps": 3}, 2, threads_per_rank=1),
         Step("10 kill and resume", L10, "fault_tolerance",
              {"impl": "ft_impl.py", "ckpt_dir": FRESH_DIR, "faults": ("kill:1@5",), "reference": True}, 2,
-             files=("ft_impl.py",), max_restarts=1, env={"LABLIB_PG_TIMEOUT_S": "60"}, close=("loss",)),
+             files=("ft_impl.py",), max_restarts=1, env={"LABLIB_PG_TIMEOUT_S": "60"}, close=("loss",),
+             verdict=_lab_checks(_probe("fault_tolerance", "check_resumed", ("kill:1@5",)))),
         Step("10 reshard", L10, "fault_tolerance",
              {"dropout": 0.0, "jitter": False, "steps": 8, "ckpt_every": 4,
               "reshards": ("fsdp2:4->2", "fsdp2:4->1", "ddp:2->4"), "ckpt_dir": FRESH_DIR}, 4, files=("ft_impl.py",),
@@ -137,20 +186,25 @@ def lab_steps(gpu: bool) -> list[Step]:
              exact=("calls",)),
         Step("12 ring forward", L12, "context_parallel",
              {"impl": "cp_ring_impl.py", "exercise": "ring_forward", "cases": ("causal", "shuffled")}, 2,
-             files=("cp_ring_impl.py",)),
+             files=("cp_ring_impl.py",),
+             verdict=_lab_checks(_records(_probe("cp_ring", "check_ring", "ring_forward")))),
         Step("12 ring backward", L12, "context_parallel",
              {"impl": "cp_ring_backward_impl.py", "exercise": "ring_backward", "cases": ("causal", "shuffled")}, 2,
-             files=("cp_ring_impl.py", "cp_ring_backward_impl.py")),
+             files=("cp_ring_impl.py", "cp_ring_backward_impl.py"),
+             verdict=_lab_checks(_records(_probe("cp_ring", "check_ring", "ring_backward")))),
         Step("12 idle", L12, "context_parallel", {"impl": "cp_split_impl.py", "exercise": "idle", "seq_len": 1024}, 2,
              files=("cp_split_impl.py",)),
         Step("12 ulysses", L12, "context_parallel",
-             {"impl": "cp_ulysses_impl.py", "exercise": "ulysses", "cases": ("basic",)}, 2, files=("cp_ulysses_impl.py",)),
+             {"impl": "cp_ulysses_impl.py", "exercise": "ulysses", "cases": ("basic",)}, 2, files=("cp_ulysses_impl.py",),
+             verdict=_lab_checks(_records(_probe("cp_ulysses", "check_ulysses")))),
         Step("13 dispatch", L13, "expert_parallel",
              {"impl": "ep_dispatch_impl.py", "exercise": "dispatch", "cases": ("uneven", "empty", "one")}, 2,
-             files=("moe_routing_impl.py", "ep_dispatch_impl.py")),
+             files=("moe_routing_impl.py", "ep_dispatch_impl.py"),
+             verdict=_lab_checks(lambda m: _probes()["expert_parallel"].check_records(m["records"], "dispatch", real_ranks=True))),
         Step("13 ep x dp", L13, "expert_parallel",
              {"impl": "ep_dp_impl.py", "exercise": "ep_dp", "mesh": "2x2", "cases": ("fp32", "frozen")}, 4,
-             files=("moe_routing_impl.py", "ep_dispatch_impl.py", "ep_dp_impl.py")),
+             files=("moe_routing_impl.py", "ep_dispatch_impl.py", "ep_dp_impl.py"),
+             verdict=_lab_checks(lambda m: _probes()["expert_parallel"].check_records(m["records"], "ep_dp", real_ranks=True))),
     ]
 
 
