@@ -183,7 +183,7 @@ class Runner:
 
     def run_step(self, step: Step, cpu: bool = False) -> tuple[dict | None, str, float]:
         """(rank 0's result, the error, seconds) of one start of the step, under the budget."""
-        limit = min(self.step_limit_s, self.left())
+        limit = min(self.step_limit_s, step.limit_s or self.step_limit_s, self.left())
         nproc = step.nproc_for(self.gpus) if step.nproc_for and self.gpus else step.nproc
         extra = {**step.env, **({"LABLIB_DEVICE": "cpu"} if cpu else {})}
         here, t0 = os.getcwd(), time.monotonic()

@@ -35,6 +35,7 @@ class Step:
     verdict: Callable[[dict], list[str]] | None = None   # problems found in the result (GPU-only checks)
     nproc_for: Callable[[int], int] | None = None         # rank count from the number of GPUs (GPU-only checks)
     script: str = ""                            # a torchrun script of this package instead of lablib.runs.<step>
+    limit_s: float | None = None                # this step's own limit, below the run's --step-limit
 
     @property
     def number(self) -> str:
@@ -234,6 +235,7 @@ def _strategy_memory_verdict(result: dict) -> list[str]:
     buffers; counted once each) were all allocated on the GPU, so their sum is at most the allocator's peak."""
     problems = _on_cuda(result)
     rows = {name: r for name, r in result["metrics"]["rows"].items() if "memory_per_rank" in r}
+    problems += [f"{name}: {r['error']}" for name, r in result["metrics"]["rows"].items() if "error" in r]
     if not rows:
         problems.append("no row has a memory figure")
     for name, r in rows.items():
