@@ -4,11 +4,14 @@
     torchrun --standalone --nproc-per-node 1 lablib/gpucheck/gpu_checks.py --check zero_memory --out out.json
     torchrun --standalone --nproc-per-node 2 lablib/gpucheck/gpu_checks.py --check cp_sdpa --out out.json
 
-- ``zero_memory``: lab 04's four variants trained as ``lablib.runs.zero_memory`` trains them, with the CUDA caching
-  allocator's peak over the same steps next to the model-state bytes the lab counts from storages. The counted
-  bytes are tensors the allocator handed out, alive together at one moment, so they can never exceed the peak; what
-  the peak holds beyond them (activations, temporaries, NCCL's and the allocator's rounding to 512-byte blocks) is
-  what storage counting leaves out, and the report gives the ratio.
+- ``zero_memory``: lab 04's four variants set up and trained as ``lablib.runs.zero_memory`` does, with the CUDA
+  caching allocator's figures next to the model-state bytes the lab counts from storages: at each of the lab's three
+  moments ``memory_allocated`` then, and over the steps ``max_memory_allocated``. The counted bytes are tensors the
+  allocator handed out, alive together at that moment, so they can never exceed either; what the allocator holds
+  beyond them (activations, temporaries, its rounding to 512-byte blocks) is what storage counting leaves out, and
+  the report gives the share. (AdamW's per-tensor step counts are CPU tensors unless capturable or fused,
+  torch/optim/adam.py:168-176, off the GPU's books: a few hundred
+  bytes, counted but not allocated there, far inside the margin of the activations.)
 - ``cp_sdpa``: torch's ``context_parallel`` (ring attention swapped in for ``F.scaled_dot_product_attention``) on a
   mesh of every rank, the sequence sharded over them (head-tail balanced, as section 4's zigzag), against plain SDPA
   on the whole sequence, causal, bf16, the flash kernel: CUDA-only in torch 2.13
@@ -50,28 +53,60 @@ class Config:
 
 
 def zero_memory_on_gpu(env, config: Config) -> dict:
-    from lablib.parallel.zero_states import Config as ZeroConfig, batches
-    from lablib.runs.zero_memory import train_variant
+    """Lab 04's variants set up as ``lablib.runs.zero_memory`` sets them up (``lablib.parallel.zero_states``), trained
+    ``steps`` AdamW steps; in the last step, at each of lab 04's three moments, the model-state bytes counted from
+    storages (``memory.model_state_bytes``) next to ``torch.cuda.memory_allocated`` at the same moment, and over the
+    variant's steps ``max_memory_allocated``. A count can never exceed what is allocated at that moment."""
+    from lablib.course.models import GPT
+    from lablib.measure import memory
+    from lablib.parallel import zero_states as zs
 
-    zero = ZeroConfig(steps=config.steps)
-    steps = batches(zero, env.rank, env.world_size)
+    zero = zs.Config(steps=config.steps)
+    steps = zs.batches(zero, env.rank, env.world_size)
     out = {}
     for variant in zero.variants:
         gc.collect()
         torch.cuda.synchronize(env.device)
         before = torch.cuda.memory_allocated(env.device)   # what an earlier variant left (0 when all was freed)
         torch.cuda.reset_peak_memory_stats(env.device)
-        mine = train_variant(env, zero, variant, steps)
+        torch.manual_seed(zero.seed)
+        model = GPT(zero.gpt()).to(env.device)
+        if variant in ("ddp", "zero1"):
+            wrapped, opt = zs.apply_ddp(model, zero, zero1=variant == "zero1")
+            sharded = []
+        else:
+            wrapped = zs.shard_every_layer(model, reshard_after_forward=variant == "fsdp_full")
+            opt = torch.optim.AdamW(model.parameters(), lr=zero.lr, weight_decay=zero.weight_decay)
+            sharded = list(model.parameters())
+        moments = {}
+
+        def moment(name):
+            torch.cuda.synchronize(env.device)
+            moments[name] = {"counted": memory.model_state_bytes(zs.held_params(model, sharded), opt)["total"],
+                             "allocated": torch.cuda.memory_allocated(env.device) - before}
+
+        for step, (x, y) in enumerate(steps):
+            last = step == len(steps) - 1
+            opt.zero_grad(set_to_none=True)
+            _, loss = wrapped(x.to(env.device), y.to(env.device))
+            if last:
+                moment("after_forward")
+            loss.backward()
+            if last:
+                moment("after_backward")
+            opt.step()
+            if last:
+                moment("after_step")
         torch.cuda.synchronize(env.device)
         peak = torch.cuda.max_memory_allocated(env.device) - before
-        counted = mine["memory"]["peak"]["total"]
-        row = {"counted_peak": counted, "peak_phase": mine["memory"]["peak_phase"], "allocator_peak": peak,
-               "left_before": before, "counted_share": counted / peak if peak else None, "losses": mine["losses"]}
+        counted = max(m["counted"] for m in moments.values())
+        row = {"moments": moments, "counted_peak": counted, "allocator_peak": peak, "left_before": before,
+               "counted_share_of_peak": counted / peak if peak else None}
         out[variant] = gather_objects(row, env)
         if env.is_main:
-            print(f"{variant:13s} rank 0: counted {counted / 1e6:.3f} MB of model states ({row['peak_phase']}), "
-                  f"allocator peak {peak / 1e6:.3f} MB", flush=True)
-        del mine
+            print(f"{variant:13s} rank 0: counted at most {counted / 1e6:.3f} MB of model states, allocator peak "
+                  f"{peak / 1e6:.3f} MB", flush=True)
+        del wrapped, opt, model, sharded
     return {"variants": out}
 
 

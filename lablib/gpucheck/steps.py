@@ -220,13 +220,18 @@ def _on_cuda(result: dict) -> list[str]:
 
 def _memory_verdict(result: dict) -> list[str]:
     """Lab 04 (``gpu_checks.zero_memory_on_gpu``): the model-state bytes a rank counts in its storages are part of what
-    the caching allocator handed out, so the count can never exceed ``max_memory_allocated`` over the same steps."""
+    the caching allocator handed out, so the count can never exceed ``memory_allocated`` at that moment, nor
+    ``max_memory_allocated`` over the same steps."""
     problems = _on_cuda(result)
     for variant, rows in result["metrics"]["variants"].items():
         for rank, row in enumerate(rows):
             if not row["counted_peak"] <= row["allocator_peak"]:
                 problems.append(f"{variant} rank {rank}: counted {row['counted_peak']:,} B of model states, more than "
                                 f"the allocator's peak {row['allocator_peak']:,} B")
+            for name, m in row["moments"].items():
+                if not m["counted"] <= m["allocated"]:
+                    problems.append(f"{variant} rank {rank} {name}: counted {m['counted']:,} B, more than the "
+                                    f"{m['allocated']:,} B allocated then")
     return problems
 
 
