@@ -46,6 +46,7 @@ def test_quick_path_on_the_cpu_runs_and_reports(tmp_path):
         assert 0 < o["seconds"] < report["total_s"]
         assert f"| {name} | {o['nproc']} | cpu | gloo | pass ({o['judged_by']}) |" in markdown
     assert by_name["01 grad_accum"]["judged_by"] == "lab checks"
+    assert report["finished"] and "unfinished" not in markdown
     assert report["machine"]["gpus"] == 0 and report["quick"] and report["total_s"] <= report["budget_s"]
     assert report["sources"]["01_gradient_accumulation"]["files_from"].startswith("solutions/")
     assert not list(tmp_path.glob("*-work")), "the steps' working folder is removed"

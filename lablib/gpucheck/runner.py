@@ -269,33 +269,42 @@ def run_all(repo: Path, out_dir: Path, quick: bool, only: tuple[str, ...], budge
         echo(f"[gpu-check] WARNING: {cuda_problem()}; the steps below run on the CPU")
     echo(f"[gpu-check] {len(steps)} steps on {gpus} GPU(s){' (quick path)' if quick else ''}; budget {budget_s:.0f} s, "
          f"at most {step_limit_s:.0f} s a step")
-    outcomes = []
-    for step in steps:
-        o = runner.one(step)
-        outcomes.append(o)
-        echo(f"[gpu-check] {o.name:42s} {o.status:8s} {o.seconds:6.1f} s  {o.device} {o.backend}"
-             + (f"  {o.error.splitlines()[0][:120]}" if o.error else ""))
-    if compare and gpus:
-        for step, o in zip(steps, outcomes):
-            if o.status == "pass" and (step.exact or step.close) and not step.needs:
-                runner.compare_with_cpu(step, o)
-                echo(f"[gpu-check] {o.name:42s} vs CPU: {describe_comparison(o.compare)}")
-    report = {
-        "machine": {"gpus": gpus, "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)],
-                    "cores": launch.available_cores(), "torch": torch.__version__, "python": platform.python_version(),
-                    "torch_cuda": torch.version.cuda, "LABLIB_DEVICE": os.environ.get("LABLIB_DEVICE", ""),
-                    "cuda_problem": "" if os.environ.get("LABLIB_DEVICE", "").lower() == "cpu" else cuda_problem()},
-        "quick": quick, "budget_s": budget_s, "step_limit_s": step_limit_s,
-        "total_s": round(time.monotonic() - runner.t0, 1),
-        "sources": {lab: {"files_from": s, "missing": m} for lab, (s, m) in runner.sources.items()},
-        "steps": [asdict(replace(o, seconds=round(o.seconds, 1))) for o in outcomes],
-    }
     out_dir.mkdir(parents=True, exist_ok=True)
     base = out_dir / f"gpu-check-{stamp}"
-    base.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    base.with_suffix(".md").write_text(markdown(report))
+    machine = {"gpus": gpus, "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)],
+               "cores": launch.available_cores(), "torch": torch.__version__, "python": platform.python_version(),
+               "torch_cuda": torch.version.cuda, "LABLIB_DEVICE": os.environ.get("LABLIB_DEVICE", ""),
+               "cuda_problem": "" if os.environ.get("LABLIB_DEVICE", "").lower() == "cpu" else cuda_problem()}
+    outcomes: list[Outcome] = []
+
+    def write(finished: bool) -> dict:
+        """The report so far, on disk after every step: a run stopped from outside (a machine's time running out)
+        still leaves the steps it finished, and says it did not finish."""
+        report = {"machine": machine, "quick": quick, "budget_s": budget_s, "step_limit_s": step_limit_s,
+                  "finished": finished, "total_s": round(time.monotonic() - runner.t0, 1),
+                  "sources": {lab: {"files_from": s, "missing": m} for lab, (s, m) in runner.sources.items()},
+                  "steps": [asdict(replace(o, seconds=round(o.seconds, 1))) for o in outcomes]}
+        base.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        base.with_suffix(".md").write_text(markdown(report))
+        return report
+
+    try:
+        for step in steps:
+            o = runner.one(step)
+            outcomes.append(o)
+            write(False)
+            echo(f"[gpu-check] {o.name:42s} {o.status:8s} {o.seconds:6.1f} s  {o.device} {o.backend}"
+                 + (f"  {o.error.splitlines()[0][:120]}" if o.error else ""))
+        if compare and gpus:
+            for step, o in zip(steps, outcomes):
+                if o.status == "pass" and (step.exact or step.close) and not step.needs:
+                    runner.compare_with_cpu(step, o)
+                    write(False)
+                    echo(f"[gpu-check] {o.name:42s} vs CPU: {describe_comparison(o.compare)}")
+        report = write(True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     report["paths"] = [str(base.with_suffix(".json")), str(base.with_suffix(".md"))]
-    shutil.rmtree(work, ignore_errors=True)
     return report
 
 
@@ -303,7 +312,8 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     gpus = ", ".join(m["gpu_names"]) or "no GPU"
     counts = {s: sum(o["status"] == s for o in report["steps"]) for s in ("pass", "fail", "not run")}
-    lines = [f"# gpu-check: {counts['pass']} pass, {counts['fail']} fail, {counts['not run']} not run",
+    unfinished = "" if report.get("finished", True) else " (unfinished: stopped from outside, or still running)"
+    lines = [f"# gpu-check: {counts['pass']} pass, {counts['fail']} fail, {counts['not run']} not run{unfinished}",
              "",
              f"{m['gpus']} GPU(s) ({gpus}), {m['cores']} cores, torch {m['torch']}; "
              f"{'quick path' if report['quick'] else 'every step'}; {report['total_s']:.0f} s of a budget of "
