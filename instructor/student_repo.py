@@ -25,7 +25,7 @@ import nbformat
 from instructor.course import LABS, REPO, SOLUTIONS, all_labs
 
 SHIPPED = ["labs", "lablib", "launchers/lab", "launchers/_setup.sh", "launchers/multinode", "launchers/slurm.sbatch",
-           "launchers/deepspeed", "environment.yml", "requirements.txt", "requirements-deepspeed.txt", "pyproject.toml"]
+           "launchers/deepspeed", "launchers/gpu-check", "environment.yml", "requirements.txt", "requirements-deepspeed.txt", "pyproject.toml"]
 NEVER = re.compile(r"(__pycache__|\.ipynb_checkpoints|\.egg-info|_impl\.py$|\.pyc$)")
 SOLUTION_REGION = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
 HIDDEN_REGION = re.compile(r"### BEGIN HIDDEN TESTS\n(.*?)### END HIDDEN TESTS", re.S)

@@ -32,7 +32,7 @@ TIERS = {
               "test_lablib_pipeline_probes", "test_lablib_scaling", "test_lablib_strategies", "test_lablib_timing",
               "test_lablib_tp_probes", "test_lablib_zero_probes"],
     "labs": ["test_labs", "test_book", "test_course", "test_grade_in_place"],
-    "system": ["test_browser", "test_jupyter", "test_multinode", "test_grade_cli", "test_grade_parallel",
+    "system": ["test_browser", "test_gpu_check", "test_jupyter", "test_multinode", "test_grade_cli", "test_grade_parallel",
                "test_grade_slurm", "test_grade_hostile", "test_student_repo"],
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
