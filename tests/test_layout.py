@@ -16,8 +16,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LABLIB = REPO / "lablib"
-# A module past this many lines is split by idea (each module one idea, its docstring a short story).
-MAX_LINES = 330
+# A module past this many lines is split by idea (each module one idea, its docstring a short story). A story that
+# reads top to bottom in 400 lines beats five files that call each other, so the cap sits there, not lower.
+MAX_LINES = 400
 
 
 def _lint_imports(root: Path = REPO) -> subprocess.CompletedProcess:
