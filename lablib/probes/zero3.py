@@ -296,9 +296,9 @@ def check(r: dict) -> None:
     checks.check_equal(r["full_grads_kept_after_step"], 0, f"{where}: model parameters that still hold a full .grad "
                        f"after step()", hint="once a block's gradients are reduce-scattered, set each p.grad to None")
     shard = r["expected_shard_numel"]        # sum over units of S = ceil(numel / N): 1/N of the model + padding
-    shards = r.get("unit_shard_numels", [shard])
-    trainable = r.get("unit_trainable", [True] * len(shards))
-    trained = sum(s for s, t in zip(shards, trainable) if t)           # the shards that get a gradient
+    trainable = r.get("unit_trainable", [True] * r["n_units"])         # a frozen unit: False
+    trained = (sum(s for s, t in zip(r["unit_shard_numels"], trainable) if t) if "unit_shard_numels" in r
+               else shard)                                             # the shards that get a gradient
     pe, re_ = r.get("param_element_size", elem), r.get("reduce_element_size", elem)
     # The collectives, per step: every unit padded to N S_u elements, all-gathered (param_dtype) before its forward
     # and again before its backward, its gradient reduce-scattered (reduce_dtype) once; m times with m
