@@ -226,3 +226,56 @@ def test_recording_on_thread_ranks_names_and_sizes_what_the_class_calls_and_noth
 
     assert zero_comm.run_in_thread_ranks(2, step) == [{"reduce_scatter": 24, "all_gather": 24, "broadcast": 56}] * 2
     assert zero_comm.bus_ratio_to_ddp({"reduce_scatter": 24, "all_gather": 24}, 24, 2) == 1.0
+
+
+def _mixed_result(**changes):
+    """A correct mixed-precision ZeRO3 result (bf16 gathers, fp32 reduction) on the 'mlp' case at N = 2."""
+    r = _zero3_result(4360 // 2, backward_peak=4224 // 2, case="mlp@bf16/fp32", mixed=True,
+                      param_dtype="torch.bfloat16", reduce_dtype="torch.float32", param_element_size=2,
+                      reduce_element_size=4, unit_shard_numels=[528] * 6 + [17], unit_trainable=[True] * 7,
+                      collectives_per_step=[{"all_gather": 2 * 2 * 2 * 3185, "reduce_scatter": 4 * 2 * 3185}] * 4,
+                      wrong_compute=[], loss_dtypes=["torch.bfloat16"], shard_dtypes=["torch.float32"],
+                      shard_grad_dtypes=["torch.float32"])
+    return {**r, **changes}
+
+
+def test_mixed_precision_checks_reject_fp32_on_the_wire_a_16_bit_master_and_uncast_weights():
+    zero3_probes.check(_mixed_result())
+    fp32_gathers = {"all_gather": 2 * 4 * 2 * 3185, "reduce_scatter": 4 * 2 * 3185}     # cast after the gather
+    with pytest.raises(AssertionError, match="collectives your class called"):
+        zero3_probes.check(_mixed_result(collectives_per_step=[fp32_gathers] * 4))
+    bf16_reduce = {"all_gather": 2 * 2 * 2 * 3185, "reduce_scatter": 2 * 2 * 3185}     # reduced in bf16
+    with pytest.raises(AssertionError, match="collectives your class called"):
+        zero3_probes.check(_mixed_result(collectives_per_step=[bf16_reduce] * 4))
+    with pytest.raises(AssertionError, match="the fp32 master"):
+        zero3_probes.check(_mixed_result(shard_dtypes=["torch.bfloat16"]))
+    with pytest.raises(AssertionError, match="cast to param_dtype"):
+        zero3_probes.check(_mixed_result(wrong_compute=["forward: ... is torch.float32"]))
+    frozen = _mixed_result(unit_trainable=[False] + [True] * 6,       # a frozen first unit: gathered once, no state
+                           collectives_per_step=[{"all_gather": 2 * 2 * (3185 + 3185 - 528),
+                                                  "reduce_scatter": 4 * 2 * (3185 - 528)}] * 4,
+                           held_per_rank=[{"params": 12_740, "grads": 4 * (3185 - 528),
+                                           "optimizer": 8 * (3185 - 528) + 4 * 6}] * 2)
+    zero3_probes.check(frozen)
+
+
+def test_mixed_bound_covers_a_16_bit_sum_and_parse_case_names_the_cases():
+    from lablib.probes.zero_checks import GradientTap, mixed_mean_gradient_and_bound
+    from lablib.probes.zero3_cases import parse_case
+
+    assert parse_case("gpt@fp16/fp32") == ("gpt", torch.float16, torch.float32)
+    assert parse_case("mlp") == ("mlp", None, None)
+    with pytest.raises(ValueError, match="bf16"):
+        parse_case("mlp@half")
+    # One rank, two micro-batches of fp16 gradients, some subnormal: summed and halved in fp16 they stay within the
+    # bound, which is reduce_dtype's relative rounding plus gradual underflow's absolute one.
+    p = torch.nn.Parameter(torch.zeros(1000, dtype=torch.float16))
+    tap = GradientTap([p])
+    g = torch.Generator().manual_seed(0)
+    terms = [(torch.randn(1000, generator=g) * 10.0 ** torch.randint(-7, 0, (1000,), generator=g)).half()
+             for _ in range(2)]
+    tap.grads = [terms]
+    mean, bound = mixed_mean_gradient_and_bound(tap, 1, 2, torch.float16, torch.float32)
+    student = ((terms[0] + terms[1]) / 1).float()
+    assert ((student.double() - mean).abs() <= bound).all()
+    assert (bound > 0).all()

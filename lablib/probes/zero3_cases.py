@@ -15,8 +15,23 @@ from lablib.course.models import GPT, GPTConfig
 from lablib.probes.zero_cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build
 
 GPT_CASE = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)   # 28,576 parameters; padding at N = 3
-CASES = ("mlp", "uneven", "gpt", "float64", "accum")   # "gpt": the course GPT; the others: zero_cases.CASES
+CASES = ("mlp", "uneven", "gpt", "float64", "accum", "frozen")   # "gpt": the course GPT; the others: zero_cases.CASES
+# Mixed precision: "case@param" or "case@param/reduce" (e.g. "mlp@bf16", "gpt@fp16/fp32"): ZeRO3 is built with
+# param_dtype (and reduce_dtype; FSDP2's default: param_dtype) over the case's fp32 parameters.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SEEDED = threading.Lock()           # the rehearsal's ranks are threads sharing torch's global generator
+
+
+def parse_case(case: str) -> tuple[str, torch.dtype | None, torch.dtype | None]:
+    """(the model's case, param_dtype, reduce_dtype) of "case", "case@param" or "case@param/reduce"; None: not given.
+    An unknown name is an error that lists the known ones."""
+    base, _, dtypes = case.partition("@")
+    names = dtypes.split("/") if dtypes else []
+    if base not in CASES or len(names) > 2 or any(n not in DTYPES for n in names):
+        raise ValueError(f"case {case!r}: expected one of {CASES}, optionally followed by '@param' or "
+                         f"'@param/reduce' with dtypes from {sorted(DTYPES)} (e.g. 'mlp@bf16/fp32')")
+    param = DTYPES[names[0]] if names else None
+    return base, param, (DTYPES[names[1]] if len(names) == 2 else None)
 
 
 def build_case(case: str, seed: int):
@@ -43,7 +58,11 @@ def my_batch(case: str, step: int, rank: int, world_size: int, per_rank: int, se
 
 
 def loss_of(model, case: str, x, y) -> torch.Tensor:
-    return model(x, y)[1] if case == "gpt" else F.mse_loss(model(x), y)
+    """The loss in the dtype the model computes in (a regression target is cast to the output's dtype)."""
+    if case == "gpt":
+        return model(x, y)[1]
+    out = model(x)
+    return F.mse_loss(out, y.to(out.dtype))
 
 
 def mean_over_ranks(value: float, world_size: int, device) -> float:

@@ -26,12 +26,14 @@ class GradientTap:
 
     def __init__(self, params):
         self.params = list(params)
-        self.grads = [[] for _ in self.params]
         self.handles = [p.register_hook(lambda g, i=i: self.grads[i].append(g.detach().clone()))
-                        for i, p in enumerate(self.params)]
+                        for i, p in enumerate(self.params) if p.requires_grad]
+        self.reset()
 
     def reset(self) -> None:
-        self.grads = [[] for _ in self.params]
+        """No gradient yet; a frozen parameter's (requires_grad=False) is zero, in its dtype now."""
+        self.grads = [[] if p.requires_grad else [torch.zeros_like(p, memory_format=torch.contiguous_format)]
+                      for p in self.params]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -62,6 +64,40 @@ def mean_gradient_and_bound(tap: GradientTap, world_size: int, micro_batches: in
         dist.all_reduce(abs_sum)
     unit_roundoff = torch.finfo(dtype).eps / 2
     return flat.div_(world_size), 2 * gamma(world_size + micro_batches - 1, unit_roundoff) * abs_sum / world_size
+
+
+def mixed_mean_gradient_and_bound(tap: GradientTap, world_size: int, micro_batches: int, reduce_dtype: torch.dtype,
+                                  master_dtype: torch.dtype):
+    """Mixed precision (ZeRO3 with param_dtype / reduce_dtype): the ranks' mean of the tapped gradients, which the
+    student's own model computed in param_dtype, each cast to reduce_dtype as the reduce-scatter gets it, and how far
+    a correct computation of the mean may be from it, per element; flat (numel,), in float64.
+
+    The reference adds the N m cast terms in float64, so it is within gamma_{Nm}(2^-53) sum|terms| / N of their
+    exact mean. A correct ZeRO3 adds the N ranks' terms in reduce_dtype (N - 1 roundings), divides by N (one: in
+    reduce_dtype, or after the cast), casts to the master's dtype (one, of unit roundoff at most reduce_dtype's
+    when the master is the finer) and adds the m micro-batches' shard gradients there (m - 1): at most N + m
+    roundings of unit roundoff u = reduce_dtype's (bf16 2^-8, fp16 2^-11, fp32 2^-24; a master coarser than the
+    reduction is not a case here), so within gamma_{N+m}(u) sum|terms| / N of the exact mean (Higham, section 3.1).
+    The bound is the sum of the two, plus one term for gradual underflow: below the smallest normal number (fp16:
+    2^-14 = 6.1e-5) a rounding is no longer relative, it errs by up to half the smallest subnormal (fp16: 2^-25)
+    in absolute terms (Higham, section 2.1: an addition whose result is subnormal is exact, a division is not), so
+    the N + m roundings add at most (N + m) 2^-25 per element in fp16 (about 1e-45 in bf16, whose exponent is
+    fp32's)."""
+    totals, abs_sums = [], []
+    for grads in tap.grads:
+        cast = [g.to(reduce_dtype).double() for g in grads]
+        total, abs_sum = sum(cast[1:], cast[0].clone()), sum((c.abs() for c in cast[1:]), cast[0].abs())
+        totals.append(total.flatten())
+        abs_sums.append(abs_sum.flatten())
+    flat, abs_sum = torch.cat(totals), torch.cat(abs_sums)
+    if world_size > 1:
+        dist.all_reduce(flat)
+        dist.all_reduce(abs_sum)
+    unit_roundoff = max(torch.finfo(reduce_dtype).eps, torch.finfo(master_dtype).eps) / 2
+    terms = world_size * micro_batches
+    bound = (gamma(world_size + micro_batches, unit_roundoff) + gamma(terms, torch.finfo(torch.float64).eps / 2))
+    underflow = (world_size + micro_batches) * torch.finfo(reduce_dtype).smallest_normal * torch.finfo(reduce_dtype).eps / 2
+    return flat.div_(world_size), bound * abs_sum / world_size + underflow
 
 
 def check_gradient_then_update(r: dict, where: str, gradient_hint: str, update_hint: str) -> None:

@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 4 -m lablib.runs.zero_scratch --impl zero1_impl.py \\
         --exercise zero1 --runs 2:mlp,3:mlp,4:groups --out out.json
 
+(zero3 also takes mixed-precision cases, "case@param_dtype[/reduce_dtype]": ``--runs 2:mlp,2:mlp@bf16/fp32``.)
+
 One torchrun start checks several (world size, case) pairs, as lab 06's does: the job has as many processes
 as the largest world size asked for, and for world size n the first n ranks form a group of their own that stands in as the default group while the
 student's class runs (``ddp_probes.default_group``); the other ranks wait at the next barrier. What each rank
@@ -39,13 +41,24 @@ class Config:
         pairs = [r.split(":") for r in self.runs]
         cases = zero3_probes.CASES if self.exercise == "zero3" else CASES
         bad = [r for r, p in zip(self.runs, pairs) if len(p) != 2 or not p[0].isdigit() or int(p[0]) < 1
-               or p[1] not in cases]
+               or not self._known(p[1])]
         if bad or not self.runs:
             raise ValueError(f"runs={self.runs}: {bad or 'none'} not of the form 'world size:case', e.g. '2:mlp'; "
-                             f"known cases are {sorted(cases)}")
+                             f"known cases are {sorted(cases)}" + (", for zero3 optionally with '@param_dtype' or "
+                             "'@param_dtype/reduce_dtype' (e.g. '2:mlp@bf16/fp32')" if self.exercise == "zero3"
+                             else ""))
         if self.steps < 1 or self.per_rank < 1:
             raise ValueError(f"steps={self.steps} and per_rank={self.per_rank} must be positive")
         require_file(self.impl)
+
+    def _known(self, case: str) -> bool:
+        if self.exercise != "zero3":
+            return case in CASES
+        try:
+            zero3_probes.parse_case(case)
+        except ValueError:
+            return False
+        return True
 
     def pairs(self) -> list[tuple[int, str]]:
         return [(int(n), case) for n, case in (r.split(":") for r in self.runs)]

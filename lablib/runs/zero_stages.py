@@ -11,7 +11,9 @@ copies of its fp32 shards and reducing the gradients in fp32), plus the students
                    ``ShardedOptimizer(AdamW)``;
 - ``zero2_yours``  the student's ``ZeRO2(model, AdamW)``: no DDP, its own reduce-scatter and all-gather;
 - ``zero3_yours``  the student's ``ZeRO3(model, model.h, AdamW)``: each transformer block a unit, gathered in
-                   its hooks (the blocks' shards count as parameters).
+                   its hooks (the blocks' shards count as parameters);
+- ``zero3_yours_bf16``  the same with ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``: FSDP2 bf16's
+                   policy, so the two's collectives compare.
 
 Every variant trains the same AdamW steps from the same weights on the same batches. In the last step each rank
 counts what it holds after the forward, the backward and the step (storages, each once: ``memory.model_state_bytes``
@@ -42,10 +44,10 @@ from lablib.parallel.zero_states import Config as Lab04Config, apply_ddp, batche
 from lablib.probes.zero_held import held_bytes
 
 VARIANTS = ("ddp", "zero1_torch", "zero1_yours", "zero2_yours", "zero3_yours", "fsdp2_grad_op", "fsdp2_full",
-            "fsdp2_bf16")
+            "fsdp2_bf16", "zero3_yours_bf16")
 STAGE = {"ddp": 0, "zero1_torch": 1, "zero1_yours": 1, "zero2_yours": 2, "zero3_yours": 3, "fsdp2_grad_op": 2,
-         "fsdp2_full": 3, "fsdp2_bf16": 3}
-MEASURED = VARIANTS[:-1]     # compared with lab 04's fp32 formula (the bf16 variant is there for its collectives)
+         "fsdp2_full": 3, "fsdp2_bf16": 3, "zero3_yours_bf16": 3}
+MEASURED = VARIANTS[:-2]     # compared with lab 04's fp32 formula (the bf16 variants are there for their collectives)
 PHASES = ("after_forward", "after_backward", "after_step")
 
 
@@ -101,10 +103,12 @@ class _Stepper:
             impl = load_impl(config.zero2_impl, ("ZeRO2",))
             self.wrapped = self.model
             self.opt = self.students = impl.ZeRO2(self.model, torch.optim.AdamW, **hyper)
-        elif variant == "zero3_yours":
+        elif variant in ("zero3_yours", "zero3_yours_bf16"):
             impl = load_impl(config.zero3_impl, ("ZeRO3",))
             self.wrapped = self.model
-            self.opt = self.students = impl.ZeRO3(self.model, list(self.model.h), torch.optim.AdamW, **hyper)
+            # the bf16 variant: fsdp2_bf16's policy (bf16 gathers of the fp32 master shards, fp32 reduction)
+            mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if variant.endswith("bf16") else {}
+            self.opt = self.students = impl.ZeRO3(self.model, list(self.model.h), torch.optim.AdamW, **mixed, **hyper)
             self.shards = [u.shard for u in self.students.all_units()]   # its parameters at rest
         elif variant == "fsdp2_bf16":     # bf16 copies gathered, fp32 shards the master copy, fp32 reduction
             self.wrapped = shard_every_layer(self.model, reshard_after_forward=True, param_dtype=torch.bfloat16,
@@ -250,7 +254,8 @@ def formula_slack_bytes(model: GPT, world_size: int) -> dict[str, float]:
     return {"ddp": slack["ddp"], "zero1_torch": slack["zero1"], "zero1_yours": slack["zero1"],
             "zero2_yours": zero_states.ADAM_STEP_BYTES + 4 * padding + (4 + 8) * padding / n,
             "zero3_yours": zero_states.ADAM_STEP_BYTES * len(units) + (4 + 4 + 8) * unit_padding / n,
-            "fsdp2_grad_op": slack["fsdp_grad_op"], "fsdp2_full": slack["fsdp_full"], "fsdp2_bf16": slack["fsdp_full"]}
+            "fsdp2_grad_op": slack["fsdp_grad_op"], "fsdp2_full": slack["fsdp_full"], "fsdp2_bf16": slack["fsdp_full"],
+            "zero3_yours_bf16": zero_states.ADAM_STEP_BYTES * len(units) + (4 + 4 + 8) * unit_padding / n}
 
 
 def run(env, config: Config) -> dict:

@@ -48,13 +48,39 @@ WRONG_ANSWERS = {
 WRONG_ANSWERS["zero3"] = [
     # Each fails in the rehearsal on ranks that are threads (no torchrun start).
     ("gathers a block with N broadcasts, one per rank's shard", _changed(
-        "zero3", ("        dist.all_gather_into_tensor(unit.full, unit.shard.detach())\n",
+        "zero3", ("        dist.all_gather_into_tensor(unit.full, unit.shard.detach().to(self.param_dtype))\n",
                   "        for r in range(self.world_size):\n"
                   "            piece = unit.full[r * unit.shard_numel:(r + 1) * unit.shard_numel]\n"
                   "            if r == self.rank:\n                piece.copy_(unit.shard.detach())\n"
                   "            dist.broadcast(piece, src=r)\n"))),
     ("a padding element leaks into the update: shard r starts at r * (numel // N), not r * S", _changed(
         "zero3", ("        start = rank * self.shard_numel\n", "        start = rank * (numel // world_size)\n"))),
+    # Mixed precision (section 4b, test_zero3_mixed): exercise 3's own check passes (fp32 defaults), so each costs
+    # exercise 3's torchrun start before test_zero3_mixed's rehearsal fails it.
+    ("mixed precision: casts after the all-gather (fp32 shards on the wire, the full buffer filled from an fp32 copy)",
+     _changed("zero3", ("        dist.all_gather_into_tensor(unit.full, unit.shard.detach().to(self.param_dtype))\n",
+                        "        full32 = torch.empty(unit.full.numel(), dtype=unit.shard.dtype, device=unit.shard.device)\n"
+                        "        dist.all_gather_into_tensor(full32, unit.shard.detach())\n"
+                        "        unit.full.copy_(full32)\n"))),
+    ("mixed precision: reduces in param_dtype (bf16) whatever reduce_dtype asks (fp32)", _changed(
+        "zero3", ("        grads = torch.zeros(self.world_size * unit.shard_numel, dtype=self.reduce_dtype, "
+                  "device=unit.shard.device)\n",
+                  "        grads = torch.zeros(self.world_size * unit.shard_numel, dtype=self.param_dtype, "
+                  "device=unit.shard.device)\n"),
+        ("        shard_grad = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=unit.shard.device)   # (S,)\n",
+         "        shard_grad = torch.empty(unit.shard_numel, dtype=self.param_dtype, device=unit.shard.device)   # (S,)\n"))),
+    ("mixed precision: steps a low-precision copy (after each step the master is rounded to param_dtype: it drifts)",
+     _changed("zero3", ("        self.optimizer.step()\n\n    def zero_grad",
+                        "        self.optimizer.step()\n        with torch.no_grad():\n"
+                        "            for unit in self.all_units():\n"
+                        "                unit.shard.copy_(unit.shard.to(self.param_dtype))\n\n    def zero_grad"))),
+    ("mixed precision: the master shard itself in param_dtype (the optimizer steps 16-bit weights)", _changed(
+        "zero3", ("        self.shard = torch.nn.Parameter(master[start:start + self.shard_numel].clone())   # (S,): the master shard\n",
+                  "        self.shard = torch.nn.Parameter(master[start:start + self.shard_numel].to(param_dtype))\n"))),
+    ("mixed precision: the gradient not cast back to the master's dtype (left in reduce_dtype; fails where "
+     "reduce_dtype is 16-bit, the hidden cases)", _changed(
+        "zero3", ("        shard_grad = shard_grad.div_(self.world_size).to(unit.shard.dtype)   # the mean, in the master's dtype\n",
+                  "        shard_grad = shard_grad.div_(self.world_size)\n"))),
 ]
 
 
@@ -74,30 +100,26 @@ CORRECT_VARIANTS = {
                   "get_world_size", "get_rank", "reduce_scatter_tensor", "all_gather_into_tensor")),
     ],
     "zero3": [
-        ("divides before the reduce-scatter and pads the gradient with torch.cat (the mean of the ranks' 1/N-scaled "
-         "gradients)", _changed("zero3", (
-             """        grads = torch.zeros(self.world_size * unit.shard_numel, dtype=unit.shard.dtype, device=unit.shard.device)
+        ("divides before the reduce-scatter, in reduce_dtype, pads the gradient with torch.cat and casts with .float() "
+         "(the mean of the ranks' 1/N-scaled gradients)", _changed("zero3", (
+             """        grads = torch.zeros(self.world_size * unit.shard_numel, dtype=self.reduce_dtype, device=unit.shard.device)
         offset = 0
         for p in unit.params:
-            grads[offset:offset + p.numel()].copy_(p.grad.flatten())
+            grads[offset:offset + p.numel()].copy_(p.grad.flatten())   # cast to reduce_dtype
             p.grad = None                                          # the full gradient is not kept
             offset += p.numel()
-        shard_grad = torch.empty_like(unit.shard)                  # (S,)
+        shard_grad = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=unit.shard.device)   # (S,)
         dist.reduce_scatter_tensor(shard_grad, grads)              # sum over ranks of shard r -> rank r
-        shard_grad.div_(self.world_size)                           # the mean
-        if unit.shard.grad is None:
-            unit.shard.grad = shard_grad
-        else:                                                      # a second micro-batch: accumulate
-            unit.shard.grad += shard_grad
+        shard_grad = shard_grad.div_(self.world_size).to(unit.shard.dtype)   # the mean, in the master's dtype
 """,
-             """        flat = [p.grad.flatten() / self.world_size for p in unit.params]
+             """        flat = [p.grad.flatten().to(self.reduce_dtype) / self.world_size for p in unit.params]
         padding = self.world_size * unit.shard_numel - sum(g.numel() for g in flat)
         grads = torch.cat(flat + [flat[0].new_zeros(padding)])
         for p in unit.params:
             p.grad = None
-        mine = torch.empty_like(unit.shard)
+        mine = grads.new_empty(unit.shard_numel)
         dist.reduce_scatter_tensor(mine, grads)
-        unit.shard.grad = mine if unit.shard.grad is None else unit.shard.grad + mine
+        shard_grad = mine.float() if unit.shard.dtype == torch.float32 else mine.to(unit.shard.dtype)
 """))),
     ],
 }
@@ -114,5 +136,44 @@ CORRECT_VARIANTS["zero2"] += _red("zero2", _redteam.CORRECT_VARIANTS)
 WRONG_ANSWERS["zero3"].append((f"red team (written before accumulation was asked for): {_description}", _source))
 _OVERWRITES = "        unit.shard.grad = out / N\n"
 assert _OVERWRITES in _source
-CORRECT_VARIANTS["zero3"].append((f"red team, adding on a second backward: {_description}", _source.replace(
-    _OVERWRITES, "        unit.shard.grad = out / N if unit.shard.grad is None else unit.shard.grad + out / N\n")))
+_ADDS = _source.replace(
+    _OVERWRITES, "        unit.shard.grad = out / N if unit.shard.grad is None else unit.shard.grad + out / N\n")
+
+
+def _with_mixed_precision(source: str) -> str:
+    """The reviewer's ZeRO3 (written before section 4b) with the given code of today's cell (param_dtype,
+    reduce_dtype, frozen units) and its own three places extended by us, in its own style: the layout re-pointed at
+    a param_dtype copy, the gather of the cast shard, the reduction in reduce_dtype cast back with .to()."""
+    # the given code, in the reviewer's import style (``torch.distributed.*`` in full)
+    given = _cells.source("zero3").replace("dist.get_world_size(), dist.get_rank()",
+                                           "torch.distributed.get_world_size(), torch.distributed.get_rank()")
+    start, end = given.index("class ZeRO3:"), given.index("    def gather(self, unit):")
+    mine_start, mine_end = source.index("class ZeRO3:"), source.index("    def gather(self, unit):")
+    source = source[:mine_start] + given[start:end] + source[mine_end:]
+    for old, new in (
+            ("    def __init__(self, module, params, world_size, rank):\n",
+             "    def __init__(self, module, params, world_size, rank, param_dtype):\n"),
+            ("        self.shard = torch.nn.Parameter(self.full[rank * S:(rank + 1) * S].clone())\n",
+             "        self.shard = torch.nn.Parameter(self.full[rank * S:(rank + 1) * S].clone())\n"
+             "        self.full = self.full.to(param_dtype)\n"
+             "        offset = 0\n"
+             "        for p in params:\n"
+             "            p.data = self.full[offset:offset + p.numel()].view_as(p)\n"
+             "            offset += p.numel()\n"),
+            ("        self.grads_ready = 0                                       # the block's parameters whose .grad is complete\n",
+             "        self.grads_ready = 0                                       # the block's parameters whose .grad is complete\n"
+             "        self.n_trainable = sum(p.requires_grad for p in params)\n"),
+            ("        torch.distributed.all_gather_into_tensor(unit.full, unit.shard.detach())\n",
+             "        torch.distributed.all_gather_into_tensor(unit.full, unit.shard.detach().to(unit.full.dtype))\n"),
+            ("        flat = torch.cat(pieces + [unit.shard.new_zeros(N * S - used)])\n",
+             "        flat = torch.cat(pieces + [unit.shard.new_zeros(N * S - used)]).to(self.reduce_dtype)\n"),
+            ("        out = unit.shard.new_empty(S)\n", "        out = flat.new_empty(S)\n"),
+            ("out / N if unit.shard.grad is None else unit.shard.grad + out / N\n",
+             "(out / N).to(unit.shard.dtype) if unit.shard.grad is None else unit.shard.grad + (out / N).to(unit.shard.dtype)\n")):
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    return source
+
+
+CORRECT_VARIANTS["zero3"].append((f"red team, adding on a second backward, and mixed precision added by us: "
+                                  f"{_description}", _with_mixed_precision(_ADDS)))
