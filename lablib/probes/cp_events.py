@@ -6,21 +6,22 @@ The matrix products are seen by a ``torch.overrides.TorchFunctionMode`` (every `
 method passes through it, in the thread that calls it: the mode stack is thread-local, so thread ranks each see
 their own). A product is any of ``MATRIX_PRODUCTS`` (``q @ k.transpose(-2, -1)`` is ``Tensor.__matmul__``).
 
-``ScoreSizes`` watches the memory the ring promises: the largest tensor that goes into or comes out of a matrix
-product, a softmax, an exponential or a log-sum-exp (the aten ops of ``SCORE_OPS``, seen by a
-``TorchDispatchMode``, thread-local like the function mode: ``q @ k^T`` reaches aten as ``bmm`` however it is
-written, ``einsum`` included). A ring holds one (T_r, T_j) block of scores at a time; a rank that keeps every
-block and runs one softmax at the end holds (T_r, T).
+The same mode watches the memory the ring promises: ``largest_score``, the most elements of any tensor that goes
+into or comes out of a matrix product, a softmax, an exponential or a log-sum-exp (``SCORE_FUNCTIONS``). A ring holds
+one (T_r, T_j) block of scores at a time; a rank that keeps every block and runs one softmax at the end holds
+(T_r, T). (A ``TorchDispatchMode`` would see the same at the aten level, but a second mode on every op made the
+rehearsal 2-3x slower.)
 """
 
 from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 MATRIX_PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "mm", "addmm", "einsum", "tensordot",
                    "linear", "scaled_dot_product_attention", "addbmm", "inner", "dot"}
+SCORE_FUNCTIONS = MATRIX_PRODUCTS | {"softmax", "log_softmax", "_softmax", "exp", "exp_", "exp2", "logsumexp",
+                                     "logaddexp", "special_softmax", "special_logsumexp"}
 
 
 class _Work:
@@ -52,6 +53,7 @@ class OverlapComm:
         self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
         self.products = 0
         self.receives: list[dict] = []
+        self.largest_score, self.largest_score_function = 0, ""
 
     def _direction(self, peer: int, kind: str) -> None:
         """The ring's direction, checked before anything moves: at N >= 3 a transfer the wrong way round would
@@ -108,28 +110,13 @@ class _ProductCounter(TorchFunctionMode):
         self.comm = comm
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in MATRIX_PRODUCTS:
+        name = getattr(func, "__name__", "")
+        if name in MATRIX_PRODUCTS:
             self.comm.products += 1
-        return func(*args, **(kwargs or {}))
-
-
-SCORE_OPS = {"mm", "bmm", "addmm", "baddbmm", "_softmax", "_log_softmax", "_safe_softmax", "exp", "exp_", "exp2",
-             "logsumexp", "logaddexp", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math"}
-
-
-class ScoreSizes(TorchDispatchMode):
-    """``largest``: the most elements of any tensor in or out of an op of ``SCORE_OPS`` while the mode is open;
-    ``where``: that op's name."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest, self.where = 0, ""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name in SCORE_OPS:
+        if name in SCORE_FUNCTIONS:
             for t in (*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else (out,))):
-                if isinstance(t, torch.Tensor) and t.numel() > self.largest:
-                    self.largest, self.where = t.numel(), name
+                if isinstance(t, torch.Tensor) and t.numel() > self.comm.largest_score:
+                    self.comm.largest_score, self.comm.largest_score_function = t.numel(), name
         return out
+

@@ -23,7 +23,7 @@ from lablib import checks
 from lablib.course.cp_model import contiguous_positions, unfused_attention
 from lablib.measure.p2p import direct_calls
 from lablib.measure.rankcheck import gamma
-from lablib.probes.cp_events import OverlapComm, ScoreSizes
+from lablib.probes.cp_events import OverlapComm
 
 # The visible cases, by name (batch, heads, sequence length, head size, split, causal, dtype, logit scale: the
 # scores reach about this size). The graded ones beyond these are drawn by the instructor's hidden tests when they
@@ -183,8 +183,7 @@ def probe_ring(module, exercise: str, inner_comm, case, seed: int = 0) -> dict:
     kept = {name: t.clone() for name, t in args.items()}
     comm = OverlapComm(inner_comm)
     fn = getattr(module, EXERCISES[exercise][1])
-    sizes = ScoreSizes()
-    with direct_calls() as called, comm.watching(), sizes:
+    with direct_calls() as called, comm.watching():
         if exercise == "ring_forward":
             got = dict(zip(("out", "lse"), fn(args["q"], args["k"], args["v"], comm, positions, case["causal"])))
         else:
@@ -196,7 +195,7 @@ def probe_ring(module, exercise: str, inner_comm, case, seed: int = 0) -> dict:
               "counts": comm.counts(), "receives": len(comm.receives), "overlapped_receives": comm.overlapped_receives(),
               "kv_receives": sum(kv), "kv_overlapped": sum(1 for is_kv, r in zip(kv, comm.receives)
                                                           if is_kv and (r["products_between"] or 0) > 0),
-              "largest_score": sizes.largest, "largest_score_op": sizes.where,
+              "largest_score": comm.largest_score, "largest_score_op": comm.largest_score_function,
               "score_bound": score_bound(case, positions, rank),
               "direct_calls": sorted({c.function for c in called.calls}),
               "inputs_unchanged": all(torch.equal(args[k_], kept[k_]) for k_ in args),
