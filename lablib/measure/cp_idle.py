@@ -29,6 +29,23 @@ def pieces(positions: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def tiles_per_step(positions: list[torch.Tensor]) -> list[list[int]]:
+    """work[s][r]: the (query, key) pairs ``timed_ring`` computes at step s on rank r: every (query piece, key piece)
+    tile that is not fully masked, in full (a diagonal tile costs its whole area, not its causal half). Its
+    ``cp_model.idle_fraction`` is the idle that run predicts for itself: 2/7 for the contiguous split at N = 2
+    (tiles 3 + 0 and 3 + 4 under steps of 3 and 4), against the (N-1)/(2N-1) = 1/3 of exact causal work."""
+    n = len(positions)
+    work = []
+    for step in range(n):
+        row = []
+        for rank in range(n):
+            keys = pieces(positions[(rank - step) % n])
+            row.append(sum(len(qp) * len(kp) for qp in pieces(positions[rank]) for kp in keys
+                           if not kp.min() > qp.max()))
+        work.append(row)
+    return work
+
+
 def timed_ring(comm, positions: list[torch.Tensor], batch: int, n_head: int, head_dim: int,
                repeats: int = 1, seed: int = 0) -> dict:
     """One causal ring pass on this rank: per step, seconds computing, seconds waiting for the next block, and the

@@ -20,20 +20,31 @@ def check_zigzag(split, seq_len: int, world_size: int) -> None:
     every = torch.cat(list(split)).sort().values
     checks.check_true(torch.equal(every, torch.arange(seq_len)), f"{where}: every position must be held by exactly one "
                       f"rank", hint="the chunks together must cover 0..T-1 once")
-    # tensor_split's chunk sizes: the first T mod 2N chunks one position longer; chunk i starts where i-1 ends
+    # the contract's properties, read off the split itself (no expected positions are built here): each rank holds
+    # two runs of consecutive positions (rank N - 1's chunks N - 1 and N touch: one run, cut in two, the longer
+    # first, as neighbouring chunks of a tensor_split are), the 2N runs in sequence order have the sizes
+    # torch.tensor_split gives (non-increasing, differing by at most one), and rank r holds run r then run 2N - 1 - r
     n_chunks = 2 * world_size
-    sizes = [seq_len // n_chunks + (1 if i < seq_len % n_chunks else 0) for i in range(n_chunks)]
-    starts = [sum(sizes[:i]) for i in range(n_chunks)]
-    for r, p in enumerate(split):
-        front, back = r, n_chunks - 1 - r
-        want = [(starts[front], sizes[front]), (starts[back], sizes[back])]
-        held = [tuple(run) for run in position_runs(p)]
-        expected = torch.cat([torch.arange(a, a + n) for a, n in want])
-        checks.check_true(torch.equal(p, expected), f"{where}: rank {r} holds the runs (start, length) {held}; the "
-                          f"contract gives it chunk "
-                          f"{front} = {want[0]} and chunk {back} = {want[1]}, in that order",
-                          hint="torch.tensor_split(torch.arange(T), 2N) makes the chunks (the larger first); rank r "
-                               "takes chunk r from the front and chunk r from the back (2N - 1 - r)")
+    held = [position_runs(p) for p in split]
+    for r, runs in enumerate(held):
+        if len(runs) == 1 and r == world_size - 1 and runs[0][1] >= 2:
+            held[r] = [(runs[0][0], (runs[0][1] + 1) // 2), (runs[0][0] + (runs[0][1] + 1) // 2, runs[0][1] // 2)]
+        checks.check_true(len(held[r]) == 2, f"{where}: rank {r} holds {len(runs)} run(s) of consecutive positions "
+                          f"(start, length) {runs}; the contract gives each rank two chunks",
+                          hint="torch.tensor_split(torch.arange(T), 2N) makes 2N chunks; rank r takes chunk r and "
+                               "chunk 2N - 1 - r")
+    chunks = sorted(run for runs in held for run in runs)
+    sizes = [length for _, length in chunks]
+    checks.check_true(len(sizes) == n_chunks and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True),
+                      f"{where}: the chunks in sequence order have sizes {sizes}; the contract cuts {seq_len} positions "
+                      f"into {n_chunks} chunks of sizes differing by at most one, the longer ones first",
+                      hint="torch.tensor_split(x, 2N) always gives 2N chunks, the first T mod 2N one longer; "
+                           "torch.chunk(x, 2N) can give fewer, and a remainder put in the last chunk is not it")
+    for r, runs in enumerate(held):
+        order = [chunks.index(run) for run in runs]
+        checks.check_equal(order, [r, n_chunks - 1 - r], f"{where}: rank {r} holds chunks {order} (in sequence order, "
+                           f"counted from 0), in that order", hint="rank r takes chunk r from the front, then chunk "
+                                                                   "2N - 1 - r from the back")
 
 
 def check_short(zigzag_positions, world_size: int) -> None:

@@ -8,9 +8,10 @@ real ranks (S = the input's bytes).
 
 Checked: ``seq_to_head`` moves every value to where the contract puts it, bit for bit (a re-shard only moves
 values), and ``head_to_seq`` undoes it; ``ulysses_attention`` equals one process's attention on the whole sequence
-within lablib.probes.cp_ring's rounding bound; exactly 4 all-to-alls of B H (T/N) D values each and no other
-collective; a head count N does not divide is refused with a ValueError that names both numbers. The case
-"subgroups" (threads only) cuts the world into two groups of consecutive ranks, each a Ulysses group of its own
+within lablib.probes.cp_ring's rounding bound; all-to-alls only (q, k, v to heads, 3 messages of B H (T/N) D
+values or 1 of them packed, then 1 back) and no other collective, a barrier included (the thread ranks log it as the
+real run's counter does); a head count N does not divide is refused with a ValueError that names both numbers. A case with
+"groups": 2 (threads only) cuts the world into two groups of consecutive ranks, each a Ulysses group of its own
 (as under data parallelism x context parallelism): every world size, rank and all-to-all must be the group's.
 """
 
@@ -24,22 +25,43 @@ import torch.distributed as dist
 from lablib import checks
 from lablib.measure import counting
 from lablib.probes import group_rehearsal
-from lablib.probes.cp_ring import DTYPES, UNIT_ROUNDOFF, error_bounds, full_inputs, reference
+from lablib.probes.cp_ring import DTYPES, UNDERFLOW, UNIT_ROUNDOFF, error_bounds, full_inputs, reference
 from lablib.probes.group_rehearsal import ThreadGroup
 from lablib.probes.rehearsal import run_in_thread_ranks
 
+# The visible case; the graded ones are drawn by the instructor's hidden tests when they run and passed as dicts
+# (``resolve_case``). "groups": 2 cuts the world into two Ulysses groups of consecutive ranks (thread ranks only).
 CASES = {
     "basic": dict(B=1, H=4, T=16, D=8, causal=True, dtype="float32", logits=3.0),
-    "batch": dict(B=2, H=12, T=24, D=4, causal=True, dtype="float32", logits=3.0),
-    "float64": dict(B=1, H=12, T=12, D=8, causal=True, dtype="float64", logits=3.0),
-    "noncausal": dict(B=1, H=12, T=12, D=8, causal=False, dtype="float32", logits=3.0),
-    "subgroups": dict(B=2, H=8, T=12, D=4, causal=True, dtype="float32", logits=3.0, groups=2),
 }
+CASE_KEYS = {"B", "H", "T", "D", "causal", "dtype", "logits"}
 
 
-def probe_ulysses(module, group, case_name: str, seed: int = 0, log=None) -> dict:
-    """One rank: the re-shards and the attention of one case, and the error for a head count N does not divide."""
-    case = CASES[case_name]
+def resolve_case(case) -> dict:
+    """A case by name (``CASES``) or as a dict with a ``name`` and the keys of ``CASE_KEYS``: the dict, named."""
+    if isinstance(case, str):
+        if case not in CASES:
+            raise ValueError(f"unknown Ulysses case {case!r}; named cases: {sorted(CASES)} (others are passed as dicts)")
+        return dict(CASES[case], name=case)
+    missing = sorted((CASE_KEYS | {"name"}) - set(case))
+    if missing or case["dtype"] not in DTYPES:
+        raise ValueError(f"Ulysses case {case!r}: lacks {missing} or has a dtype not in {sorted(DTYPES)}")
+    return dict(case)
+
+
+def binds_real_collectives(module) -> list[str]:
+    """The names a student's module bound to torch.distributed's own functions (``from torch.distributed import
+    all_to_all_single``): the thread rehearsal replaces the module's attributes, so those stay real and would fail
+    there for want of a process group, while the real run is right. The rehearsal then steps aside."""
+    real = {getattr(dist, name) for name in group_rehearsal.REHEARSED if hasattr(dist, name)}
+    return sorted(name for name, value in vars(module).items() if callable(value) and value in real)
+
+
+def probe_ulysses(module, group, case, seed: int = 0, log=None) -> dict:
+    """One rank: the re-shards and the attention of one case (a name of ``CASES`` or a dict), and the error for a
+    head count N does not divide."""
+    case = resolve_case(case)
+    case_name = case["name"]
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     full = full_inputs(case, seed)
     ref = reference(full, case["causal"])
@@ -48,7 +70,7 @@ def probe_ulysses(module, group, case_name: str, seed: int = 0, log=None) -> dic
     q, k, v = (full[name][:, :, mine].contiguous() for name in "qkv")
     kept = [t.clone() for t in (q, k, v)]
     h_r = case["H"] // n
-    record = {"case": case_name, "rank": rank, "world_size": n, "element_size": q.element_size(),
+    record = {"case": case_name, "dtype": case["dtype"], "rank": rank, "world_size": n, "element_size": q.element_size(),
               "values": q.numel(), "groups": case.get("groups", 1)}
     with counting.count_collectives() as real_log:
         calls_before = len(log) if log is not None else 0
@@ -63,14 +85,15 @@ def probe_ulysses(module, group, case_name: str, seed: int = 0, log=None) -> dic
              [(c.name, c.bytes) for c in real_log.calls[start:]])
     record.update(reshard_calls=reshard_calls, calls=[list(c) for c in calls],
                   inputs_unchanged=all(torch.equal(a, b) for a, b in zip((q, k, v), kept)),
-                  shape=list(out.shape), expected_shape=list(q.shape), dtype=str(out.dtype))
+                  shape=list(out.shape), expected_shape=list(q.shape), dtype_out=str(out.dtype))
     if list(out.shape) == list(q.shape) and torch.isfinite(out).all():
-        bound = error_bounds(full, ref, case["causal"], UNIT_ROUNDOFF[case["dtype"]], 1)["out"][:, :, mine]
+        bound = error_bounds(full, ref, case["causal"], UNIT_ROUNDOFF[case["dtype"]], 1,
+                             UNDERFLOW[case["dtype"]])["out"][:, :, mine]
         diff = (out.double() - ref["out"][:, :, mine]).abs()
         record["bound_ratio"], record["max_abs_err"] = (diff / (bound + 1e-300)).max().item(), diff.max().item()
     else:
         record["bound_ratio"], record["max_abs_err"] = float("inf"), float("inf")
-    record["indivisible"] = indivisible_message(module, group, n)
+    record["indivisible"] = indivisible_message(module, group, n) if n > 1 else None   # every H divides by 1
     return record
 
 
@@ -87,19 +110,23 @@ def indivisible_message(module, group, n: int) -> str:
 
 
 def rehearse_ulysses(module, world_size: int, cases, timeout_s: float = 20.0) -> list[list[dict]]:
-    """Each case on world_size thread ranks: [case][rank] records."""
+    """Each case on world_size thread ranks: [case][rank] records. [] when the module bound torch.distributed's
+    functions by name (``binds_real_collectives``): the rehearsal steps aside and the 2-process run decides."""
+    if binds_real_collectives(module):
+        return []
     out = []
     for case in cases:
-        n_groups = CASES[case].get("groups", 1)
+        case = resolve_case(case)
+        n_groups = case.get("groups", 1)
         if world_size % n_groups:
-            raise ValueError(f"case {case!r} cuts the world into {n_groups} groups: world_size={world_size} must be a "
-                             f"multiple of {n_groups}")
+            raise ValueError(f"case {case['name']!r} cuts the world into {n_groups} groups: world_size={world_size} "
+                             f"must be a multiple of {n_groups}")
         size = world_size // n_groups
         groups = [ThreadGroup(range(g * size, (g + 1) * size)) for g in range(n_groups)] if n_groups > 1 else [None]
         logs = [[] for _ in range(world_size)]
         out.append(run_in_thread_ranks(
-            world_size, lambda rank: probe_ulysses(module, groups[rank // size], case, log=logs[rank]), timeout_s,
-            more_fakes=functools.partial(group_rehearsal.fakes, log=logs)))
+            world_size, lambda rank, case=case: probe_ulysses(module, groups[rank // size], case, log=logs[rank]),
+            timeout_s, more_fakes=functools.partial(group_rehearsal.fakes, log=logs)))
     return out
 
 
@@ -112,7 +139,7 @@ def check_ulysses(records: list[dict]) -> None:
                       f"over the group they are given)")
         n = r["world_size"]
         msg = r["indivisible"]
-        checks.check_true(bool(msg) and not msg.startswith("not a ValueError") and str(n + 1) in msg and str(n) in msg,
+        checks.check_true(n == 1 or bool(msg) and not msg.startswith("not a ValueError") and str(n + 1) in msg and str(n) in msg,
                           f"{where}: n_head = {n + 1} on {n} ranks must raise a ValueError naming {n + 1} and {n}; "
                           f"got {msg or 'no error'!r}", hint="check n_head % N yourself, before the all-to-all")
         checks.check_true(r["seq_to_head_exact"], f"{where}: seq_to_head did not give rank r all T positions of heads "
@@ -121,15 +148,21 @@ def check_ulysses(records: list[dict]) -> None:
                                "received come in rank order = sequence order")
         checks.check_true(r["head_to_seq_exact"], f"{where}: head_to_seq(seq_to_head(x)) is not x")
         checks.check_equal(r["reshard_calls"], 2, f"{where}: collectives in seq_to_head + head_to_seq",
-                           hint="one all_to_all_single each")
+                           hint="one all_to_all_single each and nothing else (a barrier is a collective too, counted "
+                                "on thread ranks as on processes; the all-to-all already orders the ranks)")
         names = [c[0] for c in r["calls"]]
         message = r["values"] * r["element_size"]
-        checks.check_equal(names, ["all_to_all"] * 4, f"{where}: collectives in ulysses_attention",
-                           hint="q, k, v to heads (3), the output back (1); nothing else")
-        checks.check_equal([c[1] for c in r["calls"]], [message] * 4, f"{where}: bytes of each all-to-all",
-                           hint="each message is this rank's B H (T/N) D values")
+        sizes = [c[1] for c in r["calls"]]
+        checks.check_true(set(names) <= {"all_to_all"} and 2 <= len(names) <= 4,
+                          f"{where}: collectives in ulysses_attention were {names}",
+                          hint="q, k, v to heads (3 all-to-alls, or 1 of q, k, v packed together), the output back (1); "
+                               "nothing else (no barrier: the all-to-all already orders the ranks)")
+        checks.check_true(sum(sizes) == 4 * message and sizes[-1] == message,
+                          f"{where}: bytes of the all-to-alls {sizes}; expected q, k, v to heads (3 x {message} bytes, "
+                          f"in 1 to 3 messages) and the output back ({message} bytes)",
+                          hint="each tensor moved is this rank's B H (T/N) D values, once")
         checks.check_equal(r["shape"], r["expected_shape"], f"{where}: output shape")
-        checks.check_equal(r["dtype"], str(DTYPES[CASES[r["case"]]["dtype"]]), f"{where}: output dtype")
+        checks.check_equal(r["dtype_out"], str(DTYPES[r["dtype"]]), f"{where}: output dtype")
         checks.check_true(r["bound_ratio"] <= 1.0, f"{where}: output differs from one process's attention by "
                           f"{r['max_abs_err']:.3g} ({r['bound_ratio']:.3g} x the rounding bound)",
                           hint="the causal mask is over the whole sequence once the heads are split")

@@ -18,6 +18,7 @@ counts and times comparable; the check sizes are far too small for a GPU to matt
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -37,12 +38,19 @@ EXERCISES = {"ring_forward": ("ring_attention_forward",), "ring_backward": ("rin
 class Config:
     impl: str = "cp_ring_impl.py"      # the module file the notebook's exercise cell writes
     exercise: str = "ring_forward"     # ring_forward, ring_backward, ulysses or idle
-    cases: tuple[str, ...] = ()        # lablib.probes.cp_ring.CASES (ring) or cp_ulysses.CASES; () = the first
+    cases: tuple[str, ...] = ()        # names in lablib.probes.cp_ring.CASES (ring) or cp_ulysses.CASES
+    cases_json: str = ""               # more cases, a JSON list of case dicts with a "name" (the hidden tests' draws)
     seq_len: int = 1024                # idle: the sequence length
     n_head: int = 4                    # idle: heads (batch 1, head size head_dim)
     head_dim: int = 32
     repeats: int = 2                   # idle: how often each score block is computed (longer steps)
     seed: int = 0
+
+    def extra_cases(self) -> list[dict]:
+        cases = json.loads(self.cases_json) if self.cases_json else []
+        if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c for c in cases):
+            raise ValueError(f"cases_json={self.cases_json!r} must be a JSON list of case dicts, each with a 'name'")
+        return cases
 
     def validate(self) -> None:
         if self.exercise not in EXERCISES:
@@ -50,11 +58,13 @@ class Config:
         known = cp_ulysses.CASES if self.exercise == "ulysses" else cp_ring.CASES
         unknown = [c for c in self.cases if c not in known]
         if self.exercise != "idle" and unknown:
-            raise ValueError(f"cases={self.cases}: unknown {unknown}; known: {sorted(known)}")
-        threads_only = [c for c in self.cases if known.get(c, {}).get("groups", 1) > 1]
+            raise ValueError(f"cases={self.cases}: unknown {unknown}; known: {sorted(known)} (others go in cases_json)")
+        resolve = cp_ulysses.resolve_case if self.exercise == "ulysses" else cp_ring.resolve_case
+        extra = [resolve(c) for c in self.extra_cases()]
+        threads_only = [c["name"] for c in extra if c.get("groups", 1) > 1]
         if self.exercise != "idle" and threads_only:
-            raise ValueError(f"cases={self.cases}: {threads_only} cut the world into groups and run on thread ranks "
-                             f"only (cp_ulysses.rehearse_ulysses); leave them out here")
+            raise ValueError(f"cases_json: {threads_only} cut the world into groups and run on thread ranks only "
+                             f"(cp_ulysses.rehearse_ulysses); leave them out here")
         if min(self.seq_len, self.n_head, self.head_dim, self.repeats) < 1:
             raise ValueError("seq_len, n_head, head_dim and repeats must be at least 1")
 
@@ -73,7 +83,9 @@ def run(env, config: Config) -> dict:
             rows = cp_idle.timed_ring(comm, positions, 1, config.n_head, config.head_dim, config.repeats, config.seed)
             result[name] = gather_objects(rows, env, group)
         return {"idle": result}
-    cases = config.cases or (tuple(cp_ulysses.CASES) if config.exercise == "ulysses" else tuple(cp_ring.CASES))[:1]
+    cases = list(config.cases) + config.extra_cases()
+    if not cases:
+        cases = list(cp_ulysses.CASES if config.exercise == "ulysses" else cp_ring.CASES)[:1]
     records = {}
     for i, case in enumerate(cases):
         if config.exercise == "ulysses":
@@ -81,7 +93,7 @@ def run(env, config: Config) -> dict:
         else:
             comm.reset()
             record = cp_ring.probe_ring(module, config.exercise, comm, case, config.seed)
-        records[case] = gather_objects(record, env, group)
+        records[record["case"]] = gather_objects(record, env, group)
         script.progress(env, i + 1, len(cases))
     return {"records": records}
 

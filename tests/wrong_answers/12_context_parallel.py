@@ -62,13 +62,29 @@ WRONG_ANSWERS = {
                                 "            incoming = torch.empty((2, B, H, T_r, D), dtype=block.dtype)"))),
         ("the output returned in float32 whatever q's dtype (float64 hidden case)", _changed(
             "cp_ring_forward", ("    return out, lse\n", "    return out.float(), lse\n"))),
+        ("no online softmax: K/V passed round correctly and overlapped, but every block's scores kept and one softmax "
+         "run over their concatenation at the end (the T/N x T memory the ring avoids; issue 38)", _changed(
+            "cp_ring_forward",
+            ("    my_pos = positions[rank]\n", "    my_pos = positions[rank]\n    kept_scores, kept_values = [], []\n"),
+            ("        block_lse = torch.logsumexp(scores, dim=-1)                          # (B, H, T_r); -inf if all masked\n"
+             "        seen = torch.isfinite(block_lse)\n"
+             "        probs = torch.exp(scores - torch.where(seen, block_lse, 0.0)[..., None])   # rows of a masked block: 0\n"
+             "        block_out = torch.matmul(probs, block[1])                            # softmax within the block @ V\n"
+             "        new_lse = torch.logaddexp(lse, block_lse)                            # the online-softmax merge\n"
+             "        new_safe = torch.where(torch.isfinite(new_lse), new_lse, 0.0)\n"
+             "        out = (out * torch.exp(lse - new_safe)[..., None] + block_out * torch.exp(block_lse - new_safe)[..., None])\n"
+             "        lse = new_lse\n",
+             "        kept_scores.append(scores)\n        kept_values.append(block[1])\n"),
+            ("    return out, lse\n", "    scores = torch.cat(kept_scores, -1)\n"
+             "    out = torch.matmul(torch.softmax(scores, -1), torch.cat(kept_values, -2)).to(q.dtype)\n"
+             "    return out, torch.logsumexp(scores, -1)\n"))),
     ],
     "cp_ring_backward": [
         ("the dK/dV accumulators never make the last hop home: rank r returns rank r+1's gradients", _changed(
             "cp_ring_backward",
             ("        grad_works = [comm.isend(grads, right), comm.irecv(incoming, left)] if n > 1 else []",
              "        grad_works = [comm.isend(grads, right), comm.irecv(incoming, left)] if step < n - 1 else []"),
-            ("        if n > 1:\n            grads = incoming", "        if step < n - 1:\n            grads = incoming"))),
+            ("    if n > 1:\n        grads = incoming\n", ""))),
         ("delta from the output's gradient alone (rowsum(dO), not rowsum(dO * O))", _changed(
             "cp_ring_backward", ("    delta = (grad_out * out).sum(-1, keepdim=True)", "    delta = grad_out.sum(-1, keepdim=True)"))),
         ("dK without the 1/sqrt(D) of the scores", _changed(
@@ -97,6 +113,14 @@ WRONG_ANSWERS = {
             "cp_zigzag", ("    return (world_size - 1) / (2 * world_size - 1)", "    return (world_size - 1) / (2 * world_size)"))),
         ("no check of the length: a short sequence gives empty chunks", _changed(
             "cp_zigzag", ("    if seq_len < 2 * world_size:\n", "    if False:\n"))),
+        ("the idle fraction returned as lablib's own count at T = 4096, not the closed form (issue 38)", _changed(
+            "cp_zigzag", ("    return (world_size - 1) / (2 * world_size - 1)",
+                          "    from lablib.course import cp_model\n"
+                          "    return cp_model.idle_fraction(cp_model.causal_pairs_per_step(\n"
+                          "        cp_model.contiguous_positions(4096, world_size)))"))),
+        ("torch.chunk for the 2N chunks: fewer chunks when 2N does not divide T evenly (visible case (10, 3))", _changed(
+            "cp_zigzag", ("torch.tensor_split(torch.arange(seq_len), 2 * world_size)",
+                          "torch.chunk(torch.arange(seq_len), 2 * world_size)"))),
     ],
     "cp_ulysses": [
         ("the all-to-all cut along the wrong dimension: heads dealt round-robin (rank j gets heads j, j + N, ...)", _changed(
@@ -113,6 +137,12 @@ WRONG_ANSWERS = {
                            "    return recv.reshape(B, n * H_r, T // n, D)"))),
         ("the attention on the re-sharded heads without the causal mask", _changed(
             "cp_ulysses", ("is_causal=causal)", "is_causal=False)"))),
+        ("an extra dist.barrier after the all-to-all (passed on thread ranks before, failed on 2 processes; issue 46)",
+         _changed("cp_ulysses", ("    dist.all_to_all_single(recv, send, group=group)\n    return recv.permute",
+                                 "    dist.all_to_all_single(recv, send, group=group)\n    dist.barrier(group=group)\n"
+                                 "    return recv.permute"))),
+        ("the head-count check refuses a single rank (N < 2) as well: wrong at world size 1 (hidden case)", _changed(
+            "cp_ulysses", ("    if H % n:\n        raise ValueError(", "    if H % n or n < 2:\n        raise ValueError("))),
     ],
     "ulysses_bytes_answer": [
         ("both move K and V once: the same bytes", _changed("ulysses_bytes_answer", ('"c"', '"a"'))),
@@ -142,6 +172,22 @@ CORRECT_VARIANTS = {
             ("        grad_works = [comm.isend(grads, right), comm.irecv(incoming, left)] if n > 1 else []",
              "        grad_works = ([comm.isend(grads[0].contiguous(), right), comm.isend(grads[1].contiguous(), right),\n"
              "                       comm.irecv(incoming[0], left), comm.irecv(incoming[1], left)] if n > 1 else [])"))),
+    ],
+    "cp_ulysses": [
+        ("from torch.distributed import all_to_all_single, get_world_size (names bound before the rehearsal: it "
+         "steps aside and the 2-process run grades)", _changed(
+            "cp_ulysses", ("import torch.distributed as dist\n",
+                           "import torch.distributed as dist\nfrom torch.distributed import all_to_all_single, "
+                           "get_world_size\n"),
+            ("    n = dist.get_world_size(group)\n    B, H, T_r, D = x.shape", "    n = get_world_size(group)\n    B, H, T_r, D = x.shape"),
+            ("    dist.all_to_all_single(recv, send, group=group)\n    return recv.permute",
+             "    all_to_all_single(recv, send, group=group)\n    return recv.permute"))),
+        ("q, k and v packed into one all-to-all (3 B H T/N D values) and the output back in a second", _changed(
+            "cp_ulysses", ("    q_h, k_h, v_h = (seq_to_head(t, group) for t in (q, k, v))",
+                           "    n = dist.get_world_size(group)\n    B, H, T_r, D = q.shape\n"
+                           "    send = torch.cat([q, k, v], 1).reshape(B, 3, n, H // n, T_r, D).permute(2, 0, 1, 3, 4, 5).contiguous()\n"
+                           "    recv = torch.empty_like(send)\n    dist.all_to_all_single(recv, send, group=group)\n"
+                           "    q_h, k_h, v_h = recv.permute(2, 1, 3, 0, 4, 5).reshape(3, B, H // n, n * T_r, D)"))),
     ],
     "cp_zigzag": [
         ("the back chunk taken from a reversed list", _changed(
