@@ -126,23 +126,30 @@ def uniform_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor:
 
 
 def all_to_all_bytes_per_rank(tokens: int, k: int, n_embd: int, world_size: int, value_bytes: int = 4,
-                              sent_away_fraction: float | None = None) -> dict:
+                              num_experts: int | None = None, sent_away_fraction: float | None = None) -> dict:
     """Bytes one rank's ``all_to_all_single`` calls carry in one forward (message size, nccl-tests' convention:
-    the input tensor's bytes, its own block included): the dispatch sends each of its k T assignments' h values
-    once, the combine sends the results back; plus two small count exchanges (N int64 each). Of these, the
+    the input tensor's bytes, its own block included), none dropped: the dispatch sends each of its k T
+    assignments' h values once, the combine sends as many result rows back (uniform routing: each rank's experts
+    run k T rows); plus one exchange of the E int64 counts (``num_experts``; 0 when not given). Of these, the
     fraction (N-1)/N leaves the rank when the experts are spread evenly and routing is uniform
-    (``sent_away_fraction`` overrides it). The backward sends the same again, in the other direction."""
+    (``sent_away_fraction`` overrides it). The backward sends the same rows again, in the other direction, without
+    counts."""
     payload = k * tokens * n_embd * value_bytes
+    counts = 8 * (num_experts or 0)
     away = (world_size - 1) / world_size if sent_away_fraction is None else sent_away_fraction
-    return {"dispatch": payload, "combine": payload, "counts": 2 * world_size * 8,
-            "forward_total": 2 * payload + 2 * world_size * 8, "forward_leaving_rank": 2 * payload * away}
+    return {"dispatch": payload, "combine": payload, "counts": counts, "forward_total": 2 * payload + counts,
+            "backward_total": 2 * payload, "forward_leaving_rank": 2 * payload * away}
 
 
 def dropped_fraction_uniform(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> float:
-    """The dropped fraction if routing were uniform at random: E[max(0, X - C)] / (k T / E), X ~ Binomial(k T,
-    1/E) the assignments one expert receives, C the capacity rounded up. What the dropped-fraction plot draws
-    beside the measured points."""
-    n, p = k * num_tokens, 1.0 / num_experts
+    """The dropped fraction if routing were uniform at random: E[max(0, X - C)] / (k T / E), C the capacity
+    rounded up, X the assignments one expert receives. Top-k picks k *distinct* experts, so each token picks a
+    given expert at most once, with probability k/E, independently of the other tokens: X ~ Binomial(T, k/E)
+    (not Binomial(k T, 1/E), which lets a token pick an expert twice; at E = k every expert gets exactly T and
+    nothing drops at c >= 1). What the dropped-fraction plot draws beside the measured points."""
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k={k} must be between 1 and num_experts={num_experts}")
+    n, p = num_tokens, k / num_experts
     capacity = math.ceil(uniform_capacity(num_tokens, num_experts, k, capacity_factor))
     def pmf(x: int) -> float:          # in logs: comb(n, x) overflows a float past n ~ 1000
         if p == 1.0:
@@ -150,7 +157,7 @@ def dropped_fraction_uniform(num_tokens: int, num_experts: int, k: int, capacity
         return math.exp(math.lgamma(n + 1) - math.lgamma(x + 1) - math.lgamma(n - x + 1)
                         + x * math.log(p) + (n - x) * math.log1p(-p))
     excess = sum((x - capacity) * pmf(x) for x in range(capacity + 1, n + 1))
-    return excess / (n * p)
+    return excess / (n * p) if n else 0.0
 
 
 # --- training in one process ----------------------------------------------------------------------------------
