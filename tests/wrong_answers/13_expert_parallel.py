@@ -47,6 +47,12 @@ WRONG_ANSWERS = {
                                   "    by_priority = expert_index.t_().reshape(-1)"), (
              "    return fits.view(expert_index.shape[1], -1).t().contiguous()",
              "    return fits.view(k, num_tokens).t().contiguous()"))),
+        ("the dropped assignments also marked -1 in the caller's expert_index (the mask is right; the caller's "
+         "routing is changed): caught by the visible check now", _changed("moe_routing", (
+             "    return fits.view(expert_index.shape[1], -1).t().contiguous()",
+             "    keep = fits.view(expert_index.shape[1], -1).t().contiguous()\n"
+             "    expert_index[~keep] = -1\n"
+             "    return keep"))),
         ("(red team) one_hot without num_classes: fails when no token comes (T = 0)", _changed("moe_routing", (
             "torch.nn.functional.one_hot(by_priority, num_experts)", "torch.nn.functional.one_hot(by_priority)"))),
         ("(red team) off by one: an expert keeps capacity + 1 assignments", _changed("moe_routing", (
