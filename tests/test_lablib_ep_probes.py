@@ -292,3 +292,32 @@ def test_dispatch_bytes_are_the_formula_exactly():
     with pytest.raises(checks.CheckFailed, match="bytes the forward sends"):
         ep_dispatch.check({**records[0], "steps": [{**step, "x_grad": 0.0, "gates_grad": 0.0,
                                                      "expert_grads": {"-": 0.0}}]}, real_ranks=False)
+
+
+def test_grouped_mm_experts_equal_the_loop_with_an_empty_expert():
+    """torch._grouped_mm on the CPU (torch 2.13): the dropless grouped product equals the loop over experts, an
+    expert with no row included. Both compute the same sums in float32, maybe in other orders: each differs from
+    the exact value by at most gamma_{h+1} (first product and bias) times its magnitudes, carried through GELU
+    (slope at most 1.13) and |W2|, plus gamma_{4h+1} times the second product's magnitudes; twice that between
+    the two (Higham, Lemma 3.1 and the dot-product bound 3.5)."""
+    from lablib.course.models import MLPBlock
+    from lablib.measure.rankcheck import gamma
+
+    torch.manual_seed(0)
+    experts = nn.ModuleList(MLPBlock(GPTConfig(n_embd=16, n_head=1)) for _ in range(4))
+    counts = torch.tensor([5, 0, 11, 3])
+    x = torch.randn(int(counts.sum()), 16)
+    loop = moe.experts_in_a_loop(x, counts, experts)
+    grouped = moe.experts_grouped_mm(x, counts, moe.stack_experts(experts))
+    assert grouped.shape == loop.shape
+    bound = []
+    with torch.no_grad():
+        for expert, rows in zip(experts, x.double().split(counts.tolist())):
+            w1, b1 = expert.c_fc.weight.double(), expert.c_fc.bias.double()
+            w2, b2 = expert.c_proj.weight.double(), expert.c_proj.bias.double()
+            first = rows.abs() @ w1.abs().t() + b1.abs()                       # magnitudes of the first sums
+            second = torch.nn.functional.gelu(rows @ w1.t() + b1).abs() @ w2.abs().t() + b2.abs()
+            bound.append(2 * (gamma(16 + 1) * 1.13 * (first @ w2.abs().t()) + gamma(4 * 16 + 1) * second))
+    assert torch.all((grouped - loop).abs().double() <= torch.cat(bound))
+    times = moe.time_grouped_vs_loop(x, counts, experts, rounds=2, calls=1)
+    assert set(times) == {"loop", "grouped", "loop again"} and all(len(v) == 2 for v in times.values())

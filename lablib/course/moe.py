@@ -19,6 +19,7 @@ the experts on other ranks).
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -115,6 +116,67 @@ def aux_loss_of(model: nn.Module) -> torch.Tensor:
     """The sum of the MoE layers' load-balancing losses from the last forward (0 without any)."""
     losses = [m.aux_loss for m in model.modules() if isinstance(m, MoEMLP)]
     return sum(losses) if losses else torch.zeros(())
+
+
+# --- production form: all experts in grouped matrix products ----------------------------------------------------
+
+def experts_in_a_loop(tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """tokens (R, h) sorted by expert, counts (E,) rows per expert -> (R, h): each expert on its rows, one Python
+    iteration (two matrix products, launched separately) per expert: what exercise 3 and this module do."""
+    pieces = tokens.split(counts.tolist())
+    return torch.cat([expert(piece) for expert, piece in zip(experts, pieces)])
+
+
+def stack_experts(experts: nn.ModuleList) -> dict:
+    """The experts' weights stacked once, as a grouped-GEMM MoE layer stores them (one (E, ...) tensor per weight,
+    not E modules): fc (E, h, 4h), proj (E, 4h, h), and their biases (E, 4h), (E, h) or None. Each expert must be
+    the course GPT's ``MLPBlock`` (c_fc, GELU, c_proj)."""
+    def biases(name):
+        return None if getattr(experts[0], name).bias is None else torch.stack([getattr(e, name).bias for e in experts])
+    return {"fc": torch.stack([e.c_fc.weight.t() for e in experts]).contiguous(),
+            "proj": torch.stack([e.c_proj.weight.t() for e in experts]).contiguous(),
+            "fc_bias": biases("c_fc"), "proj_bias": biases("c_proj")}
+
+
+def experts_grouped_mm(tokens: torch.Tensor, counts: torch.Tensor, stacked: dict) -> torch.Tensor:
+    """The same (R, h) result as ``experts_in_a_loop`` in two grouped matrix products for all E experts
+    (``stacked``: ``stack_experts``), dropless: each expert takes exactly its rows, however uneven (no capacity,
+    no padding to C rows), as dropless MoE layers do (MegaBlocks with block-sparse products,
+    Megatron-core's grouped-GEMM experts).
+    ``torch._grouped_mm(a (R, h), b (E, h, 4h), offs)`` multiplies row block e of a (rows offs[e-1]..offs[e]) by
+    b[e]; it runs on the CPU in torch 2.13 (float32; its backward there needs a contiguous upstream gradient: an
+    expanded one, from ``.sum()``, fails with "Invalid strides/sizes")."""
+    offs = counts.cumsum(0).to(torch.int32)
+    row_expert = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts)
+    hidden = torch._grouped_mm(tokens, stacked["fc"], offs=offs)
+    if stacked["fc_bias"] is not None:
+        hidden = hidden + stacked["fc_bias"][row_expert]
+    out = torch._grouped_mm(F.gelu(hidden), stacked["proj"], offs=offs)
+    if stacked["proj_bias"] is not None:
+        out = out + stacked["proj_bias"][row_expert]
+    return out
+
+
+def time_grouped_vs_loop(tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList, rounds: int = 8,
+                         calls: int = 10) -> dict:
+    """Forward seconds per call of the loop and of the grouped product, and the loop timed against itself (the
+    noise floor: two names for one function). Each round times a window of ``calls`` calls of each, in an order
+    that alternates round by round (A B A' then A' B A), after one warm-up window; per function: the per-round
+    values (median and spread over rounds are the caller's to show)."""
+    stacked = stack_experts(experts)                                   # once, outside the timed windows
+    fns = {"loop": lambda: experts_in_a_loop(tokens, counts, experts),
+           "grouped": lambda: experts_grouped_mm(tokens, counts, stacked),
+           "loop again": lambda: experts_in_a_loop(tokens, counts, experts)}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fns[name]()
+                if r:                                                   # round 0: warm-up
+                    times[name].append((time.perf_counter() - start) / calls)
+    return times
 
 
 # --- formulas --------------------------------------------------------------------------------------------------
