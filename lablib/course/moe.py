@@ -19,6 +19,7 @@ the experts on other ranks).
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -117,6 +118,67 @@ def aux_loss_of(model: nn.Module) -> torch.Tensor:
     return sum(losses) if losses else torch.zeros(())
 
 
+# --- production form: all experts in grouped matrix products ----------------------------------------------------
+
+def experts_in_a_loop(tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """tokens (R, h) sorted by expert, counts (E,) rows per expert -> (R, h): each expert on its rows, one Python
+    iteration (two matrix products, launched separately) per expert: what exercise 3 and this module do."""
+    pieces = tokens.split(counts.tolist())
+    return torch.cat([expert(piece) for expert, piece in zip(experts, pieces)])
+
+
+def stack_experts(experts: nn.ModuleList) -> dict:
+    """The experts' weights stacked once, as a grouped-GEMM MoE layer stores them (one (E, ...) tensor per weight,
+    not E modules): fc (E, h, 4h), proj (E, 4h, h), and their biases (E, 4h), (E, h) or None. Each expert must be
+    the course GPT's ``MLPBlock`` (c_fc, GELU, c_proj)."""
+    def biases(name):
+        return None if getattr(experts[0], name).bias is None else torch.stack([getattr(e, name).bias for e in experts])
+    return {"fc": torch.stack([e.c_fc.weight.t() for e in experts]).contiguous(),
+            "proj": torch.stack([e.c_proj.weight.t() for e in experts]).contiguous(),
+            "fc_bias": biases("c_fc"), "proj_bias": biases("c_proj")}
+
+
+def experts_grouped_mm(tokens: torch.Tensor, counts: torch.Tensor, stacked: dict) -> torch.Tensor:
+    """The same (R, h) result as ``experts_in_a_loop`` in two grouped matrix products for all E experts
+    (``stacked``: ``stack_experts``), dropless: each expert takes exactly its rows, however uneven (no capacity,
+    no padding to C rows), as dropless MoE layers do (MegaBlocks with block-sparse products,
+    Megatron-core's grouped-GEMM experts).
+    ``torch._grouped_mm(a (R, h), b (E, h, 4h), offs)`` multiplies row block e of a (rows offs[e-1]..offs[e]) by
+    b[e]; it runs on the CPU in torch 2.13 (float32; its backward there needs a contiguous upstream gradient: an
+    expanded one, from ``.sum()``, fails with "Invalid strides/sizes")."""
+    offs = counts.cumsum(0).to(torch.int32)
+    row_expert = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts)
+    hidden = torch._grouped_mm(tokens, stacked["fc"], offs=offs)
+    if stacked["fc_bias"] is not None:
+        hidden = hidden + stacked["fc_bias"][row_expert]
+    out = torch._grouped_mm(F.gelu(hidden), stacked["proj"], offs=offs)
+    if stacked["proj_bias"] is not None:
+        out = out + stacked["proj_bias"][row_expert]
+    return out
+
+
+def time_grouped_vs_loop(tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList, rounds: int = 8,
+                         calls: int = 10) -> dict:
+    """Forward seconds per call of the loop and of the grouped product, and the loop timed against itself (the
+    noise floor: two names for one function). Each round times a window of ``calls`` calls of each, in an order
+    that alternates round by round (A B A' then A' B A), after one warm-up window; per function: the per-round
+    values (median and spread over rounds are the caller's to show)."""
+    stacked = stack_experts(experts)                                   # once, outside the timed windows
+    fns = {"loop": lambda: experts_in_a_loop(tokens, counts, experts),
+           "grouped": lambda: experts_grouped_mm(tokens, counts, stacked),
+           "loop again": lambda: experts_in_a_loop(tokens, counts, experts)}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fns[name]()
+                if r:                                                   # round 0: warm-up
+                    times[name].append((time.perf_counter() - start) / calls)
+    return times
+
+
 # --- formulas --------------------------------------------------------------------------------------------------
 
 def uniform_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> float:
@@ -126,23 +188,30 @@ def uniform_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor:
 
 
 def all_to_all_bytes_per_rank(tokens: int, k: int, n_embd: int, world_size: int, value_bytes: int = 4,
-                              sent_away_fraction: float | None = None) -> dict:
+                              num_experts: int | None = None, sent_away_fraction: float | None = None) -> dict:
     """Bytes one rank's ``all_to_all_single`` calls carry in one forward (message size, nccl-tests' convention:
-    the input tensor's bytes, its own block included): the dispatch sends each of its k T assignments' h values
-    once, the combine sends the results back; plus two small count exchanges (N int64 each). Of these, the
+    the input tensor's bytes, its own block included), none dropped: the dispatch sends each of its k T
+    assignments' h values once, the combine sends as many result rows back (uniform routing: each rank's experts
+    run k T rows); plus one exchange of the E int64 counts (``num_experts``; 0 when not given). Of these, the
     fraction (N-1)/N leaves the rank when the experts are spread evenly and routing is uniform
-    (``sent_away_fraction`` overrides it). The backward sends the same again, in the other direction."""
+    (``sent_away_fraction`` overrides it). The backward sends the same rows again, in the other direction, without
+    counts."""
     payload = k * tokens * n_embd * value_bytes
+    counts = 8 * (num_experts or 0)
     away = (world_size - 1) / world_size if sent_away_fraction is None else sent_away_fraction
-    return {"dispatch": payload, "combine": payload, "counts": 2 * world_size * 8,
-            "forward_total": 2 * payload + 2 * world_size * 8, "forward_leaving_rank": 2 * payload * away}
+    return {"dispatch": payload, "combine": payload, "counts": counts, "forward_total": 2 * payload + counts,
+            "backward_total": 2 * payload, "forward_leaving_rank": 2 * payload * away}
 
 
 def dropped_fraction_uniform(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> float:
-    """The dropped fraction if routing were uniform at random: E[max(0, X - C)] / (k T / E), X ~ Binomial(k T,
-    1/E) the assignments one expert receives, C the capacity rounded up. What the dropped-fraction plot draws
-    beside the measured points."""
-    n, p = k * num_tokens, 1.0 / num_experts
+    """The dropped fraction if routing were uniform at random: E[max(0, X - C)] / (k T / E), C the capacity
+    rounded up, X the assignments one expert receives. Top-k picks k *distinct* experts, so each token picks a
+    given expert at most once, with probability k/E, independently of the other tokens: X ~ Binomial(T, k/E)
+    (not Binomial(k T, 1/E), which lets a token pick an expert twice; at E = k every expert gets exactly T and
+    nothing drops at c >= 1). What the dropped-fraction plot draws beside the measured points."""
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k={k} must be between 1 and num_experts={num_experts}")
+    n, p = num_tokens, k / num_experts
     capacity = math.ceil(uniform_capacity(num_tokens, num_experts, k, capacity_factor))
     def pmf(x: int) -> float:          # in logs: comb(n, x) overflows a float past n ~ 1000
         if p == 1.0:
@@ -150,7 +219,7 @@ def dropped_fraction_uniform(num_tokens: int, num_experts: int, k: int, capacity
         return math.exp(math.lgamma(n + 1) - math.lgamma(x + 1) - math.lgamma(n - x + 1)
                         + x * math.log(p) + (n - x) * math.log1p(-p))
     excess = sum((x - capacity) * pmf(x) for x in range(capacity + 1, n + 1))
-    return excess / (n * p)
+    return excess / (n * p) if n else 0.0
 
 
 # --- training in one process ----------------------------------------------------------------------------------

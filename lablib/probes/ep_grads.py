@@ -27,6 +27,7 @@ import torch
 from lablib import checks
 from lablib.measure import counting
 from lablib.measure.rankcheck import gamma
+from lablib.probes.ep_dispatch import unrehearsed
 
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
 CASES = {"fp32": torch.float32, "float64": torch.float64, "frozen": torch.float32, "unused": torch.float32}
@@ -56,7 +57,7 @@ def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group, d
     world = dp * ep
     device = device or torch.device("cpu")
     dtype = CASES[case]
-    record = {"case": case, "rank": rank, "mesh": f"{dp}x{ep}", "error": None}
+    record = {"case": case, "rank": rank, "mesh": f"{dp}x{ep}", "error": None, "unrehearsed": False}
     try:
         params = {kind: [torch.nn.Parameter(torch.full(s, float(i + 1), dtype=dtype, device=device))
                          for i, s in enumerate(SHAPES[kind])] for kind in SHAPES}
@@ -94,6 +95,7 @@ def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group, d
                       dp_ranks=same_dp, world=world)
     except Exception as exc:  # noqa: BLE001 - a wrong answer is a result to report
         record["error"] = f"{type(exc).__name__}: {exc}"
+        record["unrehearsed"] = unrehearsed(exc)
     return record
 
 

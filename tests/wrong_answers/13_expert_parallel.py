@@ -47,6 +47,12 @@ WRONG_ANSWERS = {
                                   "    by_priority = expert_index.t_().reshape(-1)"), (
              "    return fits.view(expert_index.shape[1], -1).t().contiguous()",
              "    return fits.view(k, num_tokens).t().contiguous()"))),
+        ("the dropped assignments also marked -1 in the caller's expert_index (the mask is right; the caller's "
+         "routing is changed): caught by the visible check now", _changed("moe_routing", (
+             "    return fits.view(expert_index.shape[1], -1).t().contiguous()",
+             "    keep = fits.view(expert_index.shape[1], -1).t().contiguous()\n"
+             "    expert_index[~keep] = -1\n"
+             "    return keep"))),
         ("(red team) one_hot without num_classes: fails when no token comes (T = 0)", _changed("moe_routing", (
             "torch.nn.functional.one_hot(by_priority, num_experts)", "torch.nn.functional.one_hot(by_priority)"))),
         ("(red team) off by one: an expert keeps capacity + 1 assignments", _changed("moe_routing", (
@@ -229,6 +235,49 @@ CORRECT_VARIANTS["moe_aux_loss"].append(
         "        f = one_hot.sum(dim=(0, 1)) / (num_tokens * expert_index.shape[1])\n"
         "    P = router_probs.sum(0) / num_tokens\n"
         "    return torch.einsum(\"e,e->\", f, P) * (alpha * num_experts)"))))
+WRONG_ANSWERS["ep_dispatch"] += [
+    ("every rank's whole batch and its routing sent to every rank, dense (T, k, h) results back: right values and "
+     "rows, 800-2672 bytes where the formula gives 256-1248 (it kept full marks under the old bound "
+     "2 k T h b + 4096)", _body_replaced("ep_dispatch", "expert_parallel_moe", '''
+    n, me, per_rank = dist.get_world_size(group), dist.get_rank(group), len(local_experts)
+    T, k = expert_index.shape
+    h = x.shape[1]
+    sizes = torch.full((n,), T, dtype=torch.int64, device=x.device)
+    theirs = torch.empty_like(sizes)
+    dist.all_to_all_single(theirs, sizes, group=group)               # every rank's T
+    recv = theirs.tolist()
+    xs = AllToAll.apply(x.repeat(n, 1), [T] * n, recv, group)         # the whole batch to every rank
+    idx = expert_index.new_empty((sum(recv), k))
+    dist.all_to_all_single(idx, expert_index.repeat(n, 1), output_split_sizes=recv, input_split_sizes=[T] * n,
+                           group=group)
+    dense = xs.new_zeros((sum(recv), k, h))
+    for i, expert in enumerate(local_experts):
+        t, j = (idx == me * per_rank + i).nonzero(as_tuple=True)
+        dense = dense.index_put((t, j), expert(xs[t]))
+    back = AllToAll.apply(dense.reshape(sum(recv), k * h), recv, [T] * n, group).view(n, T, k, h).sum(0)
+    return (back * gates.unsqueeze(-1)).sum(1)''')),
+    ("the backward exchanges the counts again (splits recomputed from an all-to-all of the sizes) instead of "
+     "keeping the forward's: right values, 8 N bytes more per backward exchange", _changed("ep_dispatch", (
+        "        grad_in = grad_out.new_empty((sum(ctx.in_splits),) + tuple(grad_out.shape[1:]))",
+        "        sizes = torch.tensor(ctx.out_splits, dtype=torch.int64, device=grad_out.device)\n"
+        "        theirs = torch.empty_like(sizes)\n"
+        "        dist.all_to_all_single(theirs, sizes, group=ctx.group)\n"
+        "        ctx.in_splits = theirs.tolist()\n"
+        "        grad_in = grad_out.new_empty((sum(ctx.in_splits),) + tuple(grad_out.shape[1:]))"))),
+]
+_FROM_IMPORTED = _cells.source("ep_dispatch").replace(
+    "import torch.distributed as dist\n",
+    "import torch.distributed as dist\nfrom torch.distributed import all_to_all_single\n").replace(
+    "dist.all_to_all_single(", "all_to_all_single(")
+CORRECT_VARIANTS["ep_dispatch"].append(
+    ("from torch.distributed import all_to_all_single: the thread rehearsals step aside, the real run grades it",
+     _FROM_IMPORTED))
+CORRECT_VARIANTS["ep_dp"].append(
+    ("from torch.distributed import all_reduce, get_world_size, ReduceOp: the rehearsals step aside",
+     _cells.source("ep_dp").replace("import torch.distributed as dist\n",
+                                    "from torch.distributed import ReduceOp, all_reduce, get_world_size\n")
+     .replace("dist.get_world_size(", "get_world_size(").replace("dist.all_reduce(", "all_reduce(")
+     .replace("dist.ReduceOp", "ReduceOp")))
 CORRECT_VARIANTS["ep_dispatch"].append(
     ("(red team) no sort: each expert's assignments found by nonzero, the results split per source and expert",
      _body_replaced("ep_dispatch", "expert_parallel_moe", '''
