@@ -89,6 +89,7 @@ def refuse_layout_helpers():
             code = frame.f_code
             name = code.co_name
             if (code.co_filename.startswith(_TORCH_TENSOR_DIR) or code.co_filename == _THIS_FILE) \
+                    and name != "refuse_layout_helpers" \
                     and not (name.startswith("is_") or (name.startswith("__") and name.endswith("__"))):
                 used.append(f"{Path(code.co_filename).name}:{name}")
 
