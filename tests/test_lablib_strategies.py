@@ -132,6 +132,7 @@ def test_the_guard_sees_dtensors_layout_code_and_nothing_else():
     with refuse_layout_helpers() as used:
         torch.cat(torch.chunk(torch.arange(5), 2))
         Shard(0).is_shard() and Shard(0).dim == 0 and isinstance(Shard(0), Shard)
+        _StridedShard(0, split_factor=2).split_factor + _StridedShard(0, split_factor=2).dim   # attributes are fine
     assert used == []
 
 

@@ -77,21 +77,24 @@ _THIS_FILE = str(Path(__file__).resolve())
 
 @contextlib.contextmanager
 def refuse_layout_helpers():
-    """Record every Python function the block calls in DTensor's package (torch/distributed/tensor/: its
+    """Record every Python function the block itself calls in DTensor's package (torch/distributed/tensor/: its
     layout rules, ``_compute_local_shape_and_global_offset``, ``distribute_tensor``...) or in this module, except
-    a placement's ``is_*`` predicates and dunders; ``used`` lists them after the block. Exercise 2 asks for the
-    layout's arithmetic, so an answer that asks DTensor for it does not count."""
+    a placement's attributes (``dim``, ``split_factor``: properties in Python), its ``is_*`` predicates and
+    dunders; ``used`` lists them after the block. Exercise 2 asks for the layout's arithmetic, so an answer that
+    asks DTensor for it does not count."""
     used: list[str] = []
     previous = sys.getprofile()
 
+    def ours(code) -> bool:
+        return code.co_filename.startswith(_TORCH_TENSOR_DIR) or code.co_filename == _THIS_FILE
+
     def profile(frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            name = code.co_name
-            if (code.co_filename.startswith(_TORCH_TENSOR_DIR) or code.co_filename == _THIS_FILE) \
-                    and name != "refuse_layout_helpers" \
+        # only what the block calls itself: a helper's own calls inside DTensor's code are not the answer's
+        if event == "call" and ours(frame.f_code) and not (frame.f_back and ours(frame.f_back.f_code)):
+            name = frame.f_code.co_name
+            if name not in ("refuse_layout_helpers", "dim", "split_factor") \
                     and not (name.startswith("is_") or (name.startswith("__") and name.endswith("__"))):
-                used.append(f"{Path(code.co_filename).name}:{name}")
+                used.append(f"{Path(frame.f_code.co_filename).name}:{name}")
 
     sys.setprofile(profile)
     try:
