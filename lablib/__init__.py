@@ -74,7 +74,7 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.tp_f_g``          lab 08's f and g (autograd Functions, sums, collectives, any input)
 - ``lablib.probes.tp_layers``       lab 08's column/row-parallel layers, MLP and attention vs one process
 - ``lablib.probes.tp_heads``        lab 08's whole heads, and sizes that do not divide refused in full
-- ``lablib.probes.strategy_shards`` lab 11's exercise 2 observed: DTensor's shards made by PyTorch's own layout rule
+- ``lablib.probes.strategy_shards`` lab 11's exercise 2 observed: DTensor's own shards and FSDP2 x TP's placements in fake ranks
 - ``lablib.probes.pipeline``        lab 09's pipeline engine (order, timeline, saved bytes, who waited on whom)
 - ``lablib.probes.pipeline_schedules`` lab 09's schedules graded by what one must do (the 1F1B rule played)
 - ``lablib.probes.pipeline_recorder``  what a pipeline stage ran and when, and the activations it saved

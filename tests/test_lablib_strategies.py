@@ -1,5 +1,7 @@
-"""Lab 11's library pieces without a process group: the bound, q/k/v merged back, the stand-ins' validation, DTensor's
-shard layout as the exercise's probe makes it, and the planner's reference on cases worked by hand."""
+"""Lab 11's library pieces without a real process group: the bound, q/k/v merged back, the stand-ins' validation and
+configuration, DTensor's shard layout as the exercise's probe makes it (fake ranks) against the instructor's plain
+arithmetic, FSDP2 x TP's real placements, the guard against DTensor's layout code, the harness's refusals, and the
+planner's reference on cases worked by hand."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from instructor.references import strategy_planner as planner
+from instructor.references.strategy_shards import expected_shards
 from lablib.measure import rankcheck
 from lablib.parallel.strategies import merge_qkv
-from lablib.parallel.strategy_rows import DeepSpeedZeRO, TorchDDPStandIn
-from lablib.probes.strategy_shards import dtensor_shards
+from lablib.course.models import GPTConfig
+from lablib.parallel.strategy_rows import DeepSpeedZeRO, TorchDDPIndividualStandIn, TorchDDPStandIn
+from lablib.probes.strategy_shards import dtensor_shards, fsdp2_tp_layout, refuse_layout_helpers
 from lablib.runs.strategy_benchmark import Config, weight_bound
 
 
@@ -97,3 +102,45 @@ def test_planner_reference_on_a_case_worked_by_hand():
     with pytest.raises(ValueError):
         planner.predict(model, cluster, 2, 0, 3, 1)                    # 2 * 3 != 4 GPUs
     assert planner.best_time(model, dict(cluster, memory_bytes=1e6)) is None
+
+
+@pytest.mark.parametrize("shape, mesh, placements", [
+    ((65, 3), (4,), (Shard(0),)), ((5, 7), (4,), (Shard(0),)), ((5, 7), (2, 2), (Shard(0), Shard(1))),
+    ((5, 3), (2, 2), (Shard(0), Shard(0))), ((7, 3), (2, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+    ((11, 2), (2, 3), (_StridedShard(0, split_factor=3), Shard(0))), ((4, 9), (2, 2), (_StridedShard(1, split_factor=2), Shard(1))),
+    ((6, 5), (2, 3), (Replicate(), Shard(1))), ((9, 2, 5), (3, 2), (Shard(2), Shard(0)))])
+def test_instructor_shards_are_dtensors_own(shape, mesh, placements):
+    # the hidden cases' expected shards (plain arithmetic) against DTensor's (distribute_tensor in fake ranks)
+    full = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    mine, torchs = expected_shards(full, mesh, placements), dtensor_shards(full, mesh, placements)
+    assert mine.keys() == torchs.keys() and all(torch.equal(mine[c], torchs[c]) for c in mine)
+
+
+def test_fsdp2_x_tp_is_strided_on_the_dp_dimension():
+    # torch/distributed/fsdp/_fully_shard/_fsdp_param.py:409-421: _StridedShard(0, split_factor=tp) on dp
+    layout = fsdp2_tp_layout(GPTConfig(block_size=32, n_layer=1, n_head=4, n_embd=64), mesh_shape=(2, 2))
+    assert layout["placements"]["h.0.mlp.c_fc.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
+    assert {c: b["first_row"] for c, b in layout["blocks"].items()} == {(0, 0): 0, (0, 1): 128, (1, 0): 64, (1, 1): 192}
+
+
+def test_the_guard_sees_dtensors_layout_code_and_nothing_else():
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as private
+
+    with refuse_layout_helpers() as used:
+        private((4, 4), (2,), [0], [Shard(0)])
+    assert any("_compute_local_shape_and_global_offset" in u for u in used)
+    with refuse_layout_helpers() as used:
+        torch.cat(torch.chunk(torch.arange(5), 2))
+        Shard(0).is_shard() and Shard(0).dim == 0 and isinstance(Shard(0), Shard)
+        _StridedShard(0, split_factor=2).split_factor + _StridedShard(0, split_factor=2).dim   # attributes are fine
+    assert used == []
+
+
+def test_individual_standin_is_one_bucket_per_parameter():
+    assert TorchDDPIndividualStandIn.ONE_BYTE_MB * 2**20 == 1.0
+
+
+@pytest.mark.parametrize("changes, message", [({"rounds": 5}, "must be even"), ({"timed_steps": 0}, ">= 1")])
+def test_harness_refuses_odd_rounds_and_empty_windows(changes, message):
+    with pytest.raises(ValueError, match=message):
+        Config(impl="", **changes).validate()

@@ -4,9 +4,11 @@ The students' files (``%%writefile`` cells of labs 06, 07 and 08) are looked up 
 (``labs_dir``, the folder holding ``06_ddp_from_scratch/`` ...). A file that is missing, or still holds the released
 stubs, is replaced by a stand-in built on PyTorch, never on the earlier lab's answer (students install lablib):
 
-- lab 06's ``DDPIndividualParameters`` / ``DDPBucketed``: ``TorchDDPStandIn``, PyTorch's own DDP given lab 06's
-  constructor and ``finish_gradient_synchronization`` (lab 06's contract, PyTorch's algorithm; DDP's gradients are
-  already averaged when its backward returns, so the method has nothing left to do);
+- lab 06's ``DDPIndividualParameters`` / ``DDPBucketed``: PyTorch's own DDP given lab 06's constructor and
+  ``finish_gradient_synchronization`` (lab 06's contract, PyTorch's algorithm; DDP's gradients are already averaged
+  when its backward returns, so the method has nothing left to do), configured as the class it stands for:
+  ``TorchDDPIndividualStandIn`` one bucket per parameter (one all-reduce per parameter, as
+  ``DDPIndividualParameters`` issues), ``TorchDDPStandIn`` the bucket size lab 11 gives ``DDPBucketed``;
 - lab 07's ``ShardedOptimizer(params, optimizer_cls, **hyper)``: PyTorch's ``ZeroRedundancyOptimizer``;
 - lab 08's ``TensorParallelMLP`` / ``TensorParallelAttention``: the row runs ``DTensorTP`` (``parallelize_module``).
 
@@ -49,6 +51,19 @@ class TorchDDPStandIn(DDP):
         """Lab 06's contract; DDP's backward has already finished the all-reduces."""
 
 
+class TorchDDPIndividualStandIn(TorchDDPStandIn):
+    """Stand-in for lab 06's ``DDPIndividualParameters(module)``: DDP with a bucket cap of one byte, so every
+    bucket closes after its first parameter: one all-reduce per parameter per step, launched as its gradient is
+    ready, like lab 06's class. DDP puts every parameter in one bucket for the first step unless it looks for
+    unused parameters (torch/nn/parallel/distributed.py:152-155) and rebuilds the buckets with the cap after it,
+    so the per-parameter all-reduces start at the second step (the harness counts the last)."""
+
+    ONE_BYTE_MB = 2.0 ** -20
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module, bucket_size_mb=self.ONE_BYTE_MB)
+
+
 def sharded_optimizer_standin(params, optimizer_cls, **hyper):
     """Stand-in for lab 07's ``ShardedOptimizer``: PyTorch's ZeRO-1."""
     return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, **hyper)
@@ -58,7 +73,8 @@ def _usable(path: Path) -> bool:
     return path.is_file() and not unwritten(path)
 
 
-def lab_modules(labs_dir: str, standins: bool = False) -> tuple[SimpleNamespace, dict[str, str]]:
+def lab_modules(labs_dir: str, standins: bool = False, bucket_size_mb: float = 0.05
+                ) -> tuple[SimpleNamespace, dict[str, str]]:
     """The classes the rows need, each the student's where its file is written (unless ``standins``), else a
     stand-in; and for each piece a line saying which it is (and which lab writes the missing file)."""
     from lablib.probes.ddp import load_bucketed_impl, load_impl
@@ -78,10 +94,10 @@ def lab_modules(labs_dir: str, standins: bool = False) -> tuple[SimpleNamespace,
                    else "still the released stubs")
             source[key] = f"stand-in: {standin_text} ({lab}/{file} {why}: lab {lab[:2]} writes it)"
 
-    take("individual", LAB06, "ddp_individual_impl.py", ("DDPIndividualParameters",), load_impl, TorchDDPStandIn,
-         "PyTorch's DDP")
+    take("individual", LAB06, "ddp_individual_impl.py", ("DDPIndividualParameters",), load_impl,
+         TorchDDPIndividualStandIn, "PyTorch's DDP, one bucket per parameter (bucket_cap_mb = 1 B)")
     take("bucketed", LAB06, "ddp_bucketed_impl.py", ("DDPBucketed",), load_bucketed_impl,
-         TorchDDPStandIn, "PyTorch's DDP")
+         TorchDDPStandIn, f"PyTorch's DDP, bucket_cap_mb={bucket_size_mb:g} (the size DDPBucketed gets here)")
     take("sharded_optimizer", LAB07, "zero1_impl.py", ("ShardedOptimizer",), load_impl, sharded_optimizer_standin,
          "ZeroRedundancyOptimizer")
     mlp, attn = root / LAB08 / "tp_mlp_impl.py", root / LAB08 / "tp_attention_impl.py"

@@ -9,12 +9,20 @@ the same SGD-with-momentum steps on the same global batches of Tiny Shakespeare.
 - correctness: the full weights (DTensors' ``full_tensor``, tensor-parallel shards put back, pipeline stages
   gathered) against ``single``'s, which every rank trains alone: the largest difference, next to the bound
   ``weight_bound`` derives from the arithmetic; and how far the ranks' full weights are apart (0.0: bit-identical);
-- memory on each rank, counted from storages in the last step (``lablib.measure.memory``): parameters, gradients,
-  optimizer state, buffers (anything else the wrapper keeps: DDP's buckets, lab 06's flat buffers in flight),
-  activations saved for the backward; on a GPU also ``torch.cuda.max_memory_allocated``;
+- memory on each rank, counted from storages (``lablib.measure.memory``), two ways: ``peak_per_rank``, the
+  largest sample of the last step's ``MemoryTimeline`` (sampled at every module's forward and backward boundary
+  and around ``optimizer.step``) by kind: parameters (under FSDP2 also the units gathered at that moment),
+  gradients, optimizer state, saved activations still alive; and ``memory_per_rank``, what the rank holds right
+  after the backward: model states, ``buffers`` (anything else the wrapper keeps: lab 06's flat buffers in
+  flight) and every activation the forward saved; on a GPU also ``torch.cuda.max_memory_allocated`` of the row
+  alone (the single-process reference and the timing baseline are freed or not yet built while a row is measured);
 - collectives of the last step, by name, calls and bytes (``lablib.measure.counting``);
-- throughput: tokens/s, timed in turns with PyTorch's DDP (``rounds`` rounds, the first of the two alternating),
-  the median over rounds of the per-round ratio of median step times (slowest rank per step).
+- throughput: each row timed in turns with a freshly built PyTorch DDP (``rounds`` rounds, an even number, who
+  goes first alternating), each side a window of ``timed_steps`` steps (the median of the per-step slowest-rank
+  times); per round the ratio row / DDP; the row's figure is the median of the per-round ratios with their
+  spread (min, max). ``torch_ddp`` timed against DDP is the noise floor: a row whose median ratio lies inside
+  its per-round spread reads "= DDP within noise". tokens/s = tokens per step / (one DDP reference step time,
+  the median of every DDP window of the run, x the row's ratio), so the two columns never disagree.
 
 The students' rows take their lab 11 ``YourDDP`` class (``--impl``) around lab 06's and lab 07's classes found in
 ``--labs-dir``, or stand-ins where those files are missing (``lablib.parallel.strategy_rows``); ``--standins true``
@@ -62,8 +70,8 @@ class Config:
     lr: float = 0.05
     momentum: float = 0.9
     bucket_size_mb: float = 0.05       # lab 06's DDPBucketed: a few buckets for this small model
-    rounds: int = 5                    # paired timing rounds against torch DDP (3 with --quick; 0: none)
-    timed_steps: int = 2               # steps per side per round
+    rounds: int = 8                    # paired timing rounds against torch DDP, even (6 with --quick; 0: none)
+    timed_steps: int = 20              # steps per side per round, each on its own batch after the trained ones
     seed: int = 0
 
     def validate(self) -> None:
@@ -72,6 +80,9 @@ class Config:
             raise ValueError(f"rows={self.rows!r}: unknown {unknown}; choose from {', '.join(ROWS)}")
         if self.steps < 1 or self.rounds < 0 or self.timed_steps < 1:
             raise ValueError(f"steps={self.steps} and timed_steps={self.timed_steps} must be >= 1, rounds >= 0")
+        if self.rounds % 2:
+            raise ValueError(f"rounds={self.rounds} must be even: who goes first alternates, so each side must go "
+                             f"first equally often (6 or more to see a spread; 0: no timing)")
         if self.impl and any(r in YOURS for r in self.rows):
             require_file(self.impl)
 
@@ -90,10 +101,15 @@ class Config:
         return {"lr": self.lr, "momentum": self.momentum}
 
 
-def global_batches(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same global batches (B, T) on every rank; strategies take their share (``Strategy.local_batch``)."""
+def global_batches(config: Config, count: int | None = None, first: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` (default ``steps``) global batches (B, T) from batch ``first`` on, the same on every rank;
+    strategies take their share (``Strategy.local_batch``)."""
+    count = config.steps if count is None else count
     _, dataset, _ = data.shakespeare_datasets(config.block_size)
-    rows = [[dataset[s * config.global_batch + i] for i in range(config.global_batch)] for s in range(config.steps)]
+    if (first + count) * config.global_batch > len(dataset):
+        raise ValueError(f"{first + count} batches of {config.global_batch} sequences need more than the "
+                         f"{len(dataset)} sequences of the dataset: fewer steps or timed_steps")
+    rows = [[dataset[(first + s) * config.global_batch + i] for i in range(config.global_batch)] for s in range(count)]
     return [(torch.stack([x for x, _ in r]), torch.stack([y for _, y in r])) for r in rows]
 
 
@@ -128,7 +144,8 @@ class _Alone(S.Strategy):
 
 
 def train(strategy, config: Config, batches, measure: bool = True) -> dict:
-    """The one loop. In the last step: what the rank holds, the activations saved, the collectives called."""
+    """The one loop. In the last step: a memory timeline, what the rank holds after the backward, the activations
+    saved, the collectives called."""
     torch.manual_seed(config.seed)                      # the same initial weights in every row and on every rank
     model = strategy.wrap_model(GPT(config.gpt()))
     opt = strategy.wrap_optimizer(model, torch.optim.SGD, **config.hyper())
@@ -138,29 +155,49 @@ def train(strategy, config: Config, batches, measure: bool = True) -> dict:
     env = strategy.env
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
+        allocated_before = torch.cuda.memory_allocated(env.device)
     for i, (x, y) in enumerate(batches):
         last = measure and i == len(batches) - 1
         log.reset()
         opt.zero_grad()
-        with counting.count_collectives(log), memory.SavedActivations(parameters_of=model) as saved:
+        with counting.count_collectives(log), _timeline(model, opt, last) as timeline:
             strategy.forward_backward(model, x, y)
             if last:
-                out["memory"] = held_bytes(strategy, model, opt, saved.bytes)
+                out["memory"] = held_bytes(strategy, model, opt, timeline.saved.bytes)
             strategy.sync_gradients(model)
             out["max_grad"] = max([out["max_grad"]] + [memory.local_tensor(p.grad).abs().max().item()
                                                        for p in model.parameters() if p.grad is not None])
             opt.step()
+        if last:
+            out["peak"] = peak_by_kind(timeline.samples)
     if measure:
         out["collectives"] = {}
         for c in log.calls:
             entry = out["collectives"].setdefault(c.name, {"calls": 0, "bytes": 0})
             entry["calls"] += 1
             entry["bytes"] += c.bytes
-        if env.device.type == "cuda":
-            out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(env.device)
+        if env.device.type == "cuda":       # the row's own peak: nothing else of the run is alive on the GPU
+            out["memory"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated(env.device) - allocated_before
     out["weights"] = strategy.full_weights(model)
     out["model"], out["opt"] = model, opt
     return out
+
+
+def _timeline(model, opt, on: bool):
+    """The last step's ``MemoryTimeline`` (its optimizer hooks only on a torch optimizer; DeepSpeed's engine
+    steps itself), or nothing."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext(None)
+    inner = getattr(model, "module", model)
+    return memory.MemoryTimeline(inner, opt if isinstance(opt, torch.optim.Optimizer) else None)
+
+
+def peak_by_kind(samples: list[dict]) -> dict:
+    """The timeline's largest sample, by kind, and where in the step it was."""
+    top = max(samples, key=lambda r: r["total"])
+    return {k: top[k] for k in ("params", "grads", "optimizer", "activations", "total")} | {"event": top["event"]}
 
 
 def held_bytes(strategy, model, opt, activation_bytes: int) -> dict:
@@ -196,28 +233,35 @@ def weight_bound(config: Config, max_grad: float, max_weight: float, world_size:
 
 
 def paired(env, config: Config, rounds: int, row, baseline, batches) -> dict:
-    """The row and torch DDP in turns, ``timed_steps`` steps each per round, who goes first alternating; per round
-    the ratio of the two median step times (each step the slowest rank's); the median ratio is the figure."""
+    """The row and a DDP in turns, a window of ``timed_steps`` steps each per round, who goes first alternating
+    (an even number of rounds: each first equally often); per round the ratio of the two windows' median step
+    times (each step the slowest rank's). The figure: the median of the per-round ratios, and their spread."""
+    if len(batches) != config.timed_steps:
+        raise ValueError(f"{len(batches)} timing batches for timed_steps={config.timed_steps}")
     results = []
     for r in range(rounds):
         order = [("row", row), ("ddp", baseline)] if r % 2 == 0 else [("ddp", baseline), ("row", row)]
         times = {}
         for key, (strategy, trained) in order:
             per_step = []
-            for x, y in batches[:config.timed_steps]:
+            for x, y in batches:
                 timing.barrier(env.device)
                 with timing.stopwatch(per_step, env.device):
                     trained["opt"].zero_grad()
                     strategy.forward_backward(trained["model"], x, y)
                     strategy.sync_gradients(trained["model"])
                     trained["opt"].step()
-            times[key] = timing.median(timing.slowest_rank(per_step, env.device))
+            slowest = timing.slowest_rank(per_step, env.device)
+            times[key], times[key + "_window_s"] = timing.median(slowest), sum(slowest)
         results.append({**times, "ratio": times["row"] / times["ddp"]})
-    return {"rounds": results, "ratio_to_ddp": timing.median([r["ratio"] for r in results]) if results else None}
+    ratios = [r["ratio"] for r in results]
+    return {"rounds": results, "ratio_to_ddp": timing.median(ratios) if ratios else None,
+            "ratio_spread": [min(ratios), max(ratios)] if ratios else None}
 
 
 def compare(env, weights: dict, reference: dict) -> dict:
-    """Largest |w - w_single| over every parameter (the tied head's pipeline copy against wte), the ranks' spread."""
+    """Largest |w - w_single| over every parameter (the tied head's pipeline copy against wte) and over the
+    ranks (MAX-reduced), and the ranks' spread (how far apart their full weights are: 0.0 is bit-identical)."""
     missing = sorted(set(reference) - set(weights))
     if missing:
         return {"error": f"full_weights lacks {missing[:3]}{'...' if len(missing) > 3 else ''}"}
@@ -231,40 +275,63 @@ def compare(env, weights: dict, reference: dict) -> dict:
     hi, lo = flat.clone(), flat.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return {"max_abs_diff": diff, "rank_spread": (hi - lo).abs().max().item()}
+    largest = torch.tensor([diff], dtype=torch.float64, device=env.device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return {"max_abs_diff": largest.item(), "rank_spread": (hi - lo).abs().max().item()}
 
 
 def run(env, config: Config) -> dict:
-    rounds = min(config.rounds, 3) if config.quick else config.rounds
+    rounds = min(config.rounds, 6) if config.quick else config.rounds
     config_used = {**vars(config), "rounds": rounds}
     batches = global_batches(config)
+    timed = global_batches(config, config.timed_steps, first=config.steps) if rounds else []
     impl = None
     if config.impl and any(r in YOURS for r in config.rows):
         impl = load_module(config.impl, ("YourDDP",))
-    pieces, source = R.lab_modules(config.labs_dir, config.standins)
+    pieces, source = R.lab_modules(config.labs_dir, config.standins, config.bucket_size_mb)
     pieces.source = source
     reference = train(_Alone(env), config, batches, measure=True)
+    reference["weights"] = {k: w.detach().cpu().clone() for k, w in reference["weights"].items()}
+    del reference["model"], reference["opt"]            # freed before any row runs (on a GPU: not in its peak)
+    _free(env)
     max_weight = max(w.abs().max().item() for w in reference["weights"].values())
     bound = weight_bound(config, reference["max_grad"], max_weight, env.world_size)
-    baseline = (S.TorchDDP(env), train(S.TorchDDP(env), config, batches, measure=False)) if rounds else None
     table = {}
     for i, row in enumerate(config.rows):
-        entry = _row(env, config, row, pieces, impl, batches, reference, baseline, rounds)
+        entry = _row(env, config, row, pieces, impl, batches, timed, reference, rounds)
         entry["within_bound"] = ("max_abs_diff" in entry and entry["max_abs_diff"] <= bound
-                                 and (row not in DATA_PARALLEL or entry["rank_spread"] == 0.0))
+                                 and entry["rank_spread"] == 0.0)
         table[row] = entry
         script.progress(env, i + 1, len(config.rows), row=row)
+    ddp_windows = [r["ddp"] for e in table.values() for r in e.get("rounds", [])]
+    noise = table.get("torch_ddp", {}).get("ratio_spread")
+    if rounds and noise is None:                         # torch_ddp not among the rows: DDP against DDP anyway
+        noise = _row(env, config, "torch_ddp", pieces, impl, batches, timed, reference, rounds)["ratio_spread"]
+    ddp_step_s = timing.median(ddp_windows) if ddp_windows else None
+    for e in table.values():
+        if e.get("ratio_to_ddp"):
+            e["tokens_per_s"] = config.global_batch * config.block_size / (ddp_step_s * e["ratio_to_ddp"])
+            e["within_noise"] = noise[0] <= e["ratio_to_ddp"] <= noise[1]
     dist.barrier()
     return {"rows": table, "bound": bound, "max_grad": reference["max_grad"], "max_weight": max_weight,
             "world_size": env.world_size, "config": config_used, "n_params": sum(
                 p.numel() for p in GPT(config.gpt()).parameters()),
-            "tokens_per_step": config.global_batch * config.block_size,
+            "tokens_per_step": config.global_batch * config.block_size, "ddp_step_s": ddp_step_s,
+            "noise_floor": noise,
             "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
                         "processor": platform.processor() or platform.machine(), "backend": env.backend,
                         "device": str(env.device), "threads_per_rank": torch.get_num_threads()}}
 
 
-def _row(env, config, row, pieces, impl, batches, reference, baseline, rounds) -> dict:
+def _free(env) -> None:
+    import gc
+
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _row(env, config, row, pieces, impl, batches, timed, reference, rounds) -> dict:
     if row.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return {"skipped": "DeepSpeed is optional and not installed here: launchers/deepspeed installs it (see the notebook's section 7)"}
     if row in YOURS and impl is None:
@@ -274,13 +341,19 @@ def _row(env, config, row, pieces, impl, batches, reference, baseline, rounds) -
         trained = train(strategy, config, batches)
     except Exception as exc:            # noqa: BLE001 - one broken row must not stop the table
         return {"error": f"{type(exc).__name__}: {exc}"}
-    memory_per_rank = rankcheck.gather_objects(trained["memory"], env)
     entry = {"source": source, **compare(env, trained["weights"], reference["weights"]),
-             "memory_per_rank": memory_per_rank, "collectives": trained["collectives"]}
-    if rounds and baseline is not None:
-        entry.update(paired(env, config, rounds, (strategy, trained), baseline, batches))
-        ddp_s = timing.median([r["ddp"] for r in entry["rounds"]])
-        entry["tokens_per_s"] = config.global_batch * config.block_size / (ddp_s * entry["ratio_to_ddp"])
+             "memory_per_rank": rankcheck.gather_objects(trained["memory"], env),
+             "peak_per_rank": rankcheck.gather_objects(trained["peak"], env), "collectives": trained["collectives"],
+             "collectives_per_step": sum(c["calls"] for c in trained["collectives"].values())}
+    del trained["weights"]
+    if rounds:
+        # the baseline is built after the row's memory was measured, and freed with the row
+        baseline = S.TorchDDP(env)
+        base = train(baseline, config, batches, measure=False)
+        entry.update(paired(env, config, rounds, (strategy, trained), (baseline, base), timed))
+        del base
+    del trained
+    _free(env)
     return entry
 
 

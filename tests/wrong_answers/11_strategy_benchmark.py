@@ -87,8 +87,8 @@ WRONG_ANSWERS = {
         ("forgets that a second mesh dimension splits each chunk again (offsets from the whole size)", _changed(
             "full_from_shards", ("start[d], size[d] = start[d] + lo, hi - lo", "start[d] = start[d] + lo"))),
         ("treats Replicate() as a split of dimension 0", _changed(
-            "full_from_shards", ("if isinstance(placement, Shard):\n                d = placement.dim % ndim",
-                                 "if True:\n                d = placement.dim % ndim if isinstance(placement, Shard) else 0"))),
+            "full_from_shards", ("if isinstance(placement, (Shard, _StridedShard)):\n                d = placement.dim % ndim",
+                                 "if True:\n                d = placement.dim % ndim if isinstance(placement, (Shard, _StridedShard)) else 0"))),
         ("builds the result in float32 whatever the shards' dtype", _changed(
             "full_from_shards", ("full = torch.empty(tuple(global_shape), dtype=first.dtype, device=first.device)",
                                  "full = torch.empty(tuple(global_shape), device=first.device)"))),
@@ -127,8 +127,37 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
         ("red team: torch.chunk(...)[c] (torch.chunk returns fewer than n chunks when the last are empty)",
          _CUT_INDEX.replace("@@SPLIT@@", "chunk")),
         ("red team: the mesh dimensions applied last first", _changed(
-            "full_from_shards", ("for k, placement in enumerate(placements):",
-                                 "for k, placement in reversed(list(enumerate(placements))):"))),
+            "full_from_shards", ("        for k in order:\n", "        for k in reversed(order):\n"))),
+        ("FSDP2 x TP's _StridedShard cut left to right like Shard (the notebook's old rule: blocks swapped)", _changed(
+            "full_from_shards", ("if isinstance(placement, _StridedShard):", "if False:"))),
+        ("_StridedShard ignored (not a Shard subclass: taken for Replicate)", _changed(
+            "full_from_shards", ("if isinstance(placement, (Shard, _StridedShard)):\n                d",
+                                 "if isinstance(placement, Shard):\n                d"))),
+        ("asks DTensor's private layout function for each coordinate's offset (refused)", '''
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+
+def full_from_shards(shards, mesh_shape, placements, global_shape):
+    first = next(iter(shards.values()))
+    full = torch.empty(tuple(global_shape), dtype=first.dtype, device=first.device)
+    for coord, shard in shards.items():
+        shape, offset = _compute_local_shape_and_global_offset(tuple(global_shape), tuple(mesh_shape), list(coord),
+                                                               list(placements))
+        full[tuple(slice(o, o + n) for o, n in zip(offset, shape))] = shard
+    return full
+'''),
+        ("cuts an index tensor with the notebook's own dtensor_shards and scatters (DTensor's layout, refused)", '''
+def full_from_shards(shards, mesh_shape, placements, global_shape):
+    first = next(iter(shards.values()))
+    numel = 1
+    for n in global_shape:
+        numel *= n
+    index = torch.arange(numel, dtype=torch.float64).reshape(tuple(global_shape))
+    flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+    for coord, block in dtensor_shards(index, tuple(mesh_shape), list(placements)).items():
+        flat[block.reshape(-1).long()] = shards[coord].reshape(-1)
+    return flat.reshape(tuple(global_shape))
+'''),
     ],
     "planner": [
         ("ZeRO-2 shards only the optimizer state (gradients kept whole)", _changed(
@@ -258,9 +287,19 @@ class YourDDP(Strategy):
 def full_from_shards(shards, mesh_shape, placements, global_shape):
     any_shard = next(iter(shards.values()))
     out = torch.zeros(global_shape, dtype=any_shard.dtype, device=any_shard.device)
+    # a strided shard (FSDP2 x TP) cuts after every later mesh dim that shards the same tensor dim
+    def rank_of(k):
+        pl = placements[k]
+        if type(pl).__name__ != "_StridedShard":
+            return (k, 0)
+        last = max(j for j in range(k + 1, len(placements))
+                   if not isinstance(placements[j], Replicate) and placements[j].dim == pl.dim)
+        return (last, 1)
+    order = sorted(range(len(placements)), key=rank_of)
     for coord, local in shards.items():
         ranges = [torch.arange(n) for n in global_shape]
-        for k, pl in enumerate(placements):
+        for k in order:
+            pl = placements[k]
             if isinstance(pl, Replicate):
                 continue
             d = pl.dim if pl.dim >= 0 else pl.dim + len(global_shape)
@@ -274,13 +313,22 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
          '''
 def full_from_shards(shards, mesh_shape, placements, global_shape):
     """The full tensor of shape global_shape from every mesh coordinate's local shard."""
+    from torch.distributed.tensor.placement_types import _StridedShard as Strided
+
     any_shard = next(iter(shards.values()))
     full = torch.empty(tuple(global_shape), dtype=any_shard.dtype, device=any_shard.device)
+    steps = [(k, p) for k, p in enumerate(placements) if not isinstance(p, Strided)]
+    for k, placement in enumerate(placements):
+        if isinstance(placement, Strided):             # cut right after the last later shard of its dim
+            j = max(i for i in range(k + 1, len(placements))
+                    if isinstance(placements[i], (Shard, Strided)) and placements[i].dim == placement.dim)
+            where = next(n for n, (i, _) in enumerate(steps) if i == j)
+            steps.insert(where + 1, (k, placement))
     for coord, local in shards.items():
         starts = [0] * len(global_shape)
         sizes = list(global_shape)
-        for k, placement in enumerate(placements):
-            if isinstance(placement, Shard):
+        for k, placement in steps:
+            if isinstance(placement, (Shard, Strided)):
                 d = placement.dim % len(global_shape)
                 n = mesh_shape[k]
                 chunk = -(-sizes[d] // n)                      # ceil: torch.chunk's chunk length
@@ -314,10 +362,18 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
         numel *= n
     index = torch.arange(numel).reshape(tuple(global_shape))
     flat = torch.zeros(numel, dtype=sample.dtype, device=sample.device)
+    order = list(range(len(placements)))
+    for k in range(len(placements) - 1, -1, -1):       # right-to-left (strided) shards move after their partners
+        if hasattr(placements[k], "split_factor"):
+            partner = max(j for j in range(k + 1, len(placements)) if placements[j].is_shard()
+                          and placements[j].dim == placements[k].dim)
+            order.remove(k)
+            order.insert(order.index(partner) + 1, k)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         block = index
-        for k, placement in enumerate(placements):
-            if placement.is_shard():
+        for k in order:
+            placement = placements[k]
+            if placement.is_shard() or hasattr(placement, "split_factor"):
                 block = _chunk_or_empty(block, mesh_shape[k], coord[k], placement.dim)
         flat[block.reshape(-1).to(flat.device)] = shards[coord].reshape(-1)
     return flat.reshape(tuple(global_shape))
