@@ -42,7 +42,7 @@ def test_it_holds_the_labs_and_what_runs_them_and_nothing_else(built):
 SHIPPED_MODULES = {
     "lablib": ["__init__", "checks"],
     "lablib/course": ["__init__", "checkpoint_interval", "commcost", "cp_model", "data", "models", "moe", "plots", "scaling", "training"],
-    "lablib/jobs": ["__init__", "config", "distenv", "exercise", "launch", "multinode", "outcome", "processes", "script",
+    "lablib/jobs": ["__init__", "config", "distenv", "exercise", "job", "launch", "multinode", "outcome", "processes", "script",
                     "supervisor"],
     "lablib/measure": ["__init__", "benchmark", "c10d_ops", "collective_log", "counting", "cp_idle", "ddp_timeline", "memory", "p2p", "pipeline_costs",
                        "rankcheck", "timing"],
