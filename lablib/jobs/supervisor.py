@@ -73,7 +73,8 @@ class Supervisor:
             if interrupted:
                 report = self.stop(first=signal.SIGINT, why="interrupted")
                 exc.stop = report
-                exc.add_note(f"lablib: the run was {report}")
+                if hasattr(exc, "add_note"):                    # Python 3.11+
+                    exc.add_note(f"lablib: the run was {report}")
                 if not self.quiet:
                     print(f"[lablib] run {report}", flush=True)
             else:
