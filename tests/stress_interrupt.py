@@ -2,7 +2,7 @@
 loaded machine), and count how long each stop took and whether any process was left. Not part of the suite (it takes
 minutes of CPU); run it by hand after touching how the launcher starts or stops a job:
 
-    .venv/bin/python tests/stress_interrupt.py --runs 200 --parallel 2
+    .venv/bin/python tests/stress_interrupt.py --runs 200 --parallel 3 --targets time,job,teardown
 
 Each run is a fresh Python process (a notebook kernel) that calls ``launch.run("hello", ...)`` and, after a random
 delay from its start, gets SIGINT on its process group, as Jupyter's "interrupt kernel" (jupyter_client's
@@ -85,18 +85,21 @@ def reap_orphans(children: set[int]) -> None:
             pass
 
 
-def phase(kernel: psutil.Process) -> str:
-    """Where the run was when the interrupt was sent, read from the kernel's process tree."""
+def phase(kernel: psutil.Process, seen: set) -> str:
+    """Where the run was when the interrupt was sent, read from the kernel's process tree (``seen``: what was seen of
+    it before: "torchrun", "workers")."""
     try:
         tree = kernel.children(recursive=True)
     except psutil.Error:
         return "kernel gone"
     torchrun = [p for p in tree if p.ppid() == kernel.pid]
     workers = [p for p in tree if p.ppid() != kernel.pid]
+    seen.update(["torchrun"] * bool(torchrun) + ["workers"] * bool(workers))
     if not torchrun:
-        return "before torchrun (kernel importing, checking)"
+        return ("teardown (torchrun ended, launcher reading it)" if "torchrun" in seen else
+                "before torchrun (kernel importing, checking)")
     if not workers:
-        return "torchrun starting (no workers)"
+        return "teardown (workers ended)" if "workers" in seen else "torchrun starting (no workers)"
     try:
         connected = any(w.net_connections(kind="tcp") for w in workers)
     except psutil.Error:
@@ -104,20 +107,34 @@ def phase(kernel: psutil.Process) -> str:
     return "workers in the job (connected)" if connected else "workers starting (importing torch)"
 
 
-def one_run(n: int, scenario: str, delay_s: float, exit_limit_s: float, children: set, lock, tree: Path) -> dict:
+# --target: when the delay starts counting. "time": at the kernel's start; the others: once the run is seen in that
+# phase (the polls are 0.3 s apart), so the interrupts also land inside the hang and in a run's teardown however
+# long a loaded machine takes to import torch.
+TARGETS = {"time": "", "job": "workers in the job", "teardown": "teardown"}
+
+
+def one_run(n: int, scenario: str, target: str, delay_s: float, exit_limit_s: float, children: set, lock,
+            tree: Path) -> dict:
     tag = f"{os.getpid()}-{n}"
     env = {**os.environ, "STRESS_RUN": tag, "PYTHONFAULTHANDLER": "1"}
     kernel = subprocess.Popen([sys.executable, "-c", KERNEL, json.dumps(SCENARIOS[scenario])], cwd=tree, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     with lock:
         children.add(kernel.pid)
-    record = {"run": n, "scenario": scenario, "delay_s": round(delay_s, 2)}
+    record = {"run": n, "scenario": scenario, "target": target, "delay_s": round(delay_s, 2)}
     try:
-        try:
-            kernel.wait(timeout=delay_s)
+        seen: set = set()
+        until = time.monotonic() + delay_s if target == "time" else float("inf")
+        limit = time.monotonic() + exit_limit_s * 5             # a target never reached: interrupt anyway
+        while kernel.poll() is None and time.monotonic() < min(until, limit):
+            where = phase(psutil.Process(kernel.pid), seen)     # what the run has been through so far
+            if until == float("inf") and where.startswith(TARGETS[target]):
+                until = time.monotonic() + delay_s              # the target phase is reached: the delay counts now
+            time.sleep(min(0.3, max(0.0, until - time.monotonic())))
+        if kernel.poll() is not None:
             record["phase"] = "kernel ended before the interrupt"
-        except subprocess.TimeoutExpired:
-            record["phase"] = phase(psutil.Process(kernel.pid))
+        else:
+            record["phase"] = phase(psutil.Process(kernel.pid), seen)
             t_int = time.monotonic()
             os.killpg(kernel.pid, signal.SIGINT)
             try:
@@ -153,10 +170,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--parallel", type=int, default=2, help="runs at once")
-    parser.add_argument("--max-delay", type=float, default=14.0,
+    parser.add_argument("--max-delay", type=float, default=30.0,
                         help="the interrupt comes 0..this many seconds after the kernel starts (uniform)")
     parser.add_argument("--exit-limit", type=float, default=60.0,
                         help="seconds after the interrupt by which the kernel must have ended")
+    parser.add_argument("--targets", default="time",
+                        help="comma-separated, drawn per run: time (delay from the kernel's start), job (from the "
+                             "moment the workers are connected), teardown (from the moment the workers have ended)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tree", type=Path, default=REPO,
                         help="the checkout whose lablib the runs use (default: this one), e.g. an older commit's copy")
@@ -171,7 +191,14 @@ def main() -> None:
     # here makes the kernels start with the default disposition (exec resets a handled signal, keeps an ignored one).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(args.seed)
-    plan = [(n, rng.choice(list(SCENARIOS)), rng.uniform(0, args.max_delay)) for n in range(args.runs)]
+    targets = args.targets.split(",")
+    if not set(targets) <= set(TARGETS):
+        sys.exit(f"--targets: choose from {', '.join(TARGETS)}, got {args.targets!r}")
+    plan = []
+    for n in range(args.runs):
+        target = rng.choice(targets)
+        scenario = rng.choice(["finish", "fail"] if target == "teardown" else list(SCENARIOS))
+        plan.append((n, scenario, target, rng.uniform(0, args.max_delay if target == "time" else 2.0)))
     children, lock = set(), threading.Lock()
     log = open(args.log, "w") if args.log else None
     stop_reap = threading.Event()
@@ -208,6 +235,7 @@ def main() -> None:
     print(f"  runs that left processes: {sum(bool(r['left']) for r in records)} "
           f"({sum(len(r['left']) for r in records)} processes)")
     by = collections.Counter((r["phase"], r["ended"]) for r in records)
+    print("  where the interrupt landed -> how the kernel's call ended:")
     for (where, ended), count in sorted(by.items()):
         print(f"  {count:4d}  {where:45s} -> {ended}")
     signals = collections.Counter(r["stop"]["needed"] for r in records if "stop" in r)
