@@ -90,10 +90,11 @@ def phase(kernel: psutil.Process, seen: set) -> str:
     it before: "torchrun", "workers")."""
     try:
         tree = kernel.children(recursive=True)
-    except psutil.Error:
-        return "kernel gone"
-    torchrun = [p for p in tree if p.ppid() == kernel.pid]
-    workers = [p for p in tree if p.ppid() != kernel.pid]
+        parents = {p: p.ppid() for p in tree}
+    except psutil.Error:                               # a process of the tree ended meanwhile: look again
+        return phase(kernel, seen) if kernel.is_running() else "kernel gone"
+    torchrun = [p for p in tree if parents[p] == kernel.pid]
+    workers = [p for p in tree if parents[p] != kernel.pid]
     seen.update(["torchrun"] * bool(torchrun) + ["workers"] * bool(workers))
     if not torchrun:
         return ("teardown (torchrun ended, launcher reading it)" if "torchrun" in seen else
