@@ -27,7 +27,8 @@ SOLUTIONS = REPO / "solutions"
 
 def _nbgrader(args: list[str], cwd: Path, timeout_s: float | None = None, env: dict | None = None):
     """Run nbgrader in cwd, killing it *and its kernel* if it outlives timeout_s."""
-    from lablib.jobs.processes import RUN_MARKER, kill_run
+    from lablib.jobs.job import kill_run
+    from lablib.jobs.processes import RUN_MARKER
 
     marker = uuid.uuid4().hex
     # nbgrader calls its helper programs (alembic) by name: put this environment's bin/ first on PATH.

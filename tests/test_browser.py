@@ -33,7 +33,8 @@ import labkit
 from jupyterpage import (STOPPED_S, controls_of, move, open_notebook, run_all, run_state, settled, shut_down_after,
                          wait_for_cells)
 from instructor.course import find_lab
-from lablib.jobs.processes import RUN_MARKER, kill_run
+from lablib.jobs.job import kill_run
+from lablib.jobs.processes import RUN_MARKER
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from test_jupyter import free_port, get
 

@@ -1,5 +1,6 @@
 """The launcher's failure paths: every one ends in a clear exception, quickly, with no process left behind."""
 
+import json
 import os
 import signal
 import socket
@@ -8,35 +9,16 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
 import labkit
+from ownjobs import own_jobs  # noqa: F401 - every test here checks and cleans up its own jobs
 
-from lablib.jobs import launch, processes
+from lablib.jobs import job, launch, processes
 from lablib.jobs.config import ConfigError
-
-
-def run_processes(step="hello"):
-    """Processes of any lablib run script still alive (workers of the tests below)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if f"lablib.runs.{step}" in " ".join(p.info["cmdline"] or []):
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-
-
-def wait_until_gone(step="hello", timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while run_processes(step) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return run_processes(step)
 
 
 def test_success_streams_rank0_and_returns_json(capsys):
@@ -51,7 +33,7 @@ def test_success_streams_rank0_and_returns_json(capsys):
     assert out.count("all-reduce sum") == 1, "only rank 0 prints"
 
 
-def test_failing_rank_raises_with_its_traceback():
+def test_failing_rank_raises_with_its_traceback(own_jobs):
     t0 = time.monotonic()
     with pytest.raises(launch.RunError) as info:
         launch.run("hello", {"fail_rank": 1}, nproc=2, timeout_s=120, quiet=True)
@@ -59,19 +41,19 @@ def test_failing_rank_raises_with_its_traceback():
     assert "rank 1 failed on purpose (fail_rank=1)" in str(info.value)
     assert "Traceback" in info.value.details
     assert time.monotonic() - t0 < 60
-    assert not wait_until_gone()
+    assert not own_jobs.remaining()
 
 
-def test_rank_killed_by_a_signal_is_reported_as_such():
+def test_rank_killed_by_a_signal_is_reported_as_such(own_jobs):
     """A rank that dies by SIGABRT after its work (as gloo's teardown race did) is not the code's error."""
     with pytest.raises(launch.RankKilledError) as info:
         launch.run("hello", {"abort_rank": 1}, nproc=2, timeout_s=120, quiet=True)
     assert info.value.rank == 1 and info.value.signal == "SIGABRT"
     assert "not by an exception" in str(info.value) and "infrastructure" in str(info.value)
-    assert not wait_until_gone()
+    assert not own_jobs.remaining()
 
 
-def test_max_restarts_restarts_the_group_after_a_failed_attempt():
+def test_max_restarts_restarts_the_group_after_a_failed_attempt(own_jobs):
     """launch.run(max_restarts=1): rank 1 fails on attempt 0 only; torchrun restarts both ranks, attempt 1
     initialises a fresh group (distenv.attempt_store) and finishes. Without restarts the same run fails."""
     result = launch.run("hello", {"fail_rank": 1, "fail_attempts": 1}, nproc=2, timeout_s=150, quiet=True,
@@ -81,10 +63,10 @@ def test_max_restarts_restarts_the_group_after_a_failed_attempt():
         launch.run("hello", {"fail_rank": 1, "fail_attempts": 1}, nproc=2, timeout_s=150, quiet=True)
     with pytest.raises(ValueError, match="max_restarts"):
         launch.run("hello", nproc=2, max_restarts=-1)
-    assert not wait_until_gone()
+    assert not own_jobs.remaining()
 
 
-def test_a_restarted_run_reports_the_last_attempts_error():
+def test_a_restarted_run_reports_the_last_attempts_error(own_jobs):
     """max_restarts=1 and rank 1 fails on both attempts, with a different error each time (A on attempt 0, B on
     attempt 1): the launcher reports B, the error of the attempt that ended the run, and mentions A. (Lab 10:
     a student's traceback on attempt 1 must not be hidden behind the peer error of the deliberate kill before.)"""
@@ -95,24 +77,24 @@ def test_a_restarted_run_reports_the_last_attempts_error():
     assert "on attempt 0" not in info.value.details
     message = str(info.value).split("\n\n")[0]
     assert "on attempt 1" in message and "attempt 0: rank 1: RuntimeError: rank 1 failed on purpose" in message  # A
-    assert not wait_until_gone()
+    assert not own_jobs.remaining()
 
 
-def _kill_rank_when(text: str, rank: int, tag: str, on_purpose: bool):
-    """A stand-in for sys.stdout (launch.run echoes rank 0's lines through it) that SIGKILLs ``rank`` of the run
-    whose ranks carry ``LABLIB_TEST_TAG=tag`` the first time a line containing ``text`` is printed; with
-    ``on_purpose``, after recording the kill in the run's folder as the course's lab 10 faults do."""
+def _kill_rank_when(text: str, rank: int, own_jobs, on_purpose: bool):
+    """A stand-in for sys.stdout (launch.run echoes rank 0's lines through it) that SIGKILLs ``rank`` of the test's
+    own run (its job's record) the first time a line containing ``text`` is printed; with ``on_purpose``, after
+    recording the kill in the run's folder as the course's lab 10 faults do."""
     class Stdout:
         killed = None
 
         def write(self, line):
             if text in line and self.killed is None:
-                for p in psutil.process_iter():
+                for p in (p for j in own_jobs for p in j.members()):
                     try:
                         env = p.environ()
                     except psutil.Error:
                         continue
-                    if env.get("LABLIB_TEST_TAG") == tag and env.get("RANK") == str(rank):
+                    if env.get("RANK") == str(rank):
                         if on_purpose:
                             processes.record_deliberate_kill(p.pid, "test", Path(env[processes.RUN_DIR_ENV]))
                         p.send_signal(signal.SIGKILL)
@@ -126,15 +108,14 @@ def _kill_rank_when(text: str, rank: int, tag: str, on_purpose: bool):
 
 
 @pytest.mark.parametrize("on_purpose", [False, True], ids=["out_of_memory_killer", "recorded_deliberate_kill"])
-def test_a_rank_sigkilled_from_outside_is_the_machines_failure(monkeypatch, on_purpose):
+def test_a_rank_sigkilled_from_outside_is_the_machines_failure(monkeypatch, on_purpose, own_jobs):
     """Rank 1 SIGKILLed mid-job, as the out-of-memory killer does: RankKilledError naming SIGKILL, whatever rank 0
     raised after losing its peer. The same kill recorded first (record_deliberate_kill) is the course's doing,
     not the machine's: an ordinary RunError."""
-    tag = uuid.uuid4().hex
-    stdout = _kill_rank_when("round 3 of 200", rank=1, tag=tag, on_purpose=on_purpose)
+    stdout = _kill_rank_when("round 3 of 200", rank=1, own_jobs=own_jobs, on_purpose=on_purpose)
     monkeypatch.setattr(sys, "stdout", stdout)
     with pytest.raises(launch.RunError) as info:
-        launch.run("hello", {"rounds": 200, "round_s": 0.1}, nproc=2, timeout_s=120, env={"LABLIB_TEST_TAG": tag})
+        launch.run("hello", {"rounds": 200, "round_s": 0.1}, nproc=2, timeout_s=120)
     monkeypatch.undo()
     assert stdout.killed is not None, "rank 1 was never found to be killed"
     if on_purpose:
@@ -143,7 +124,7 @@ def test_a_rank_sigkilled_from_outside_is_the_machines_failure(monkeypatch, on_p
         assert isinstance(info.value, launch.RankKilledError), str(info.value)
         assert info.value.rank == 1 and info.value.signal == "SIGKILL"
         assert "killed by SIGKILL" in str(info.value) and "infrastructure" in str(info.value)
-    assert not wait_until_gone()
+    assert not own_jobs.remaining()
 
 
 def test_first_failure_orders_signals_records_and_attempts(tmp_path):
@@ -290,32 +271,112 @@ def test_run_script_reports_success_and_failure_without_raising(tmp_path):
         launch.run_script(tmp_path / "nope.py")
 
 
-def test_hanging_rank_times_out_and_leaves_no_process():
+def test_hanging_rank_times_out_and_leaves_no_process(own_jobs):
     t0 = time.monotonic()
     with pytest.raises(launch.RunTimeout, match="ran past its timeout of 10 s"):
         launch.run("hello", {"hang_rank": 1}, nproc=2, timeout_s=10, quiet=True)
     assert time.monotonic() - t0 < 30
-    assert not wait_until_gone(), "workers survived the timeout"
+    assert not own_jobs.remaining(), "workers survived the timeout"
+
+
+# A notebook kernel that runs a step and reports how an interrupt ended it. It handles SIGINT as ipykernel does while
+# it executes a cell (signal(SIGINT, default_int_handler)): a process started in the background by a non-interactive
+# shell (`cmd &`, nohup, some CI runners) inherits SIGINT *ignored*, Python then installs no handler, and an
+# interrupt never reaches the launcher at all (the test then timed out with the run left behind for its 300 s).
+KERNEL = textwrap.dedent("""
+    import json, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from lablib.jobs import launch
+    try:
+        CALL
+    except KeyboardInterrupt as exc:
+        print("interrupted " + json.dumps(exc.stop.to_dict()), flush=True)
+""")
+
+
+def _interrupt_kernel(call: str, ready, settle_s: float = 0.0):
+    """Start a kernel running ``call``; once ``ready(tree)`` is true of its processes (its own descendants: torchrun
+    and the workers), SIGINT it, as "interrupt kernel" does. Returns (the kernel's stop report, seconds from the
+    interrupt to the kernel's exit, the processes it had). Whatever happens, those processes are gone afterwards."""
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL.replace("CALL", call)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    tree = []
+    try:
+        deadline = time.monotonic() + labkit.scaled_timeout(60)
+        while not ready(tree) and time.monotonic() < deadline and kernel.poll() is None:
+            time.sleep(0.2)
+            tree = [p for p in psutil.Process(kernel.pid).children(recursive=True)]
+        assert ready(tree), f"the run never got ready: {tree}\n{kernel.stderr.read() if kernel.poll() is not None else ''}"
+        time.sleep(settle_s)
+        tree = [p for p in psutil.Process(kernel.pid).children(recursive=True)]
+        t0 = time.monotonic()
+        os.killpg(kernel.pid, signal.SIGINT)          # jupyter_client signals the kernel's process group
+        out, err = kernel.communicate(timeout=2 * job.GRACE_S + job.KILL_WAIT_S + 30)
+        exit_s = time.monotonic() - t0
+        line = [x for x in out.splitlines() if x.startswith("interrupted ")]
+        assert line, f"the kernel did not report an interrupt:\n{out}\n{err[-3000:]}"
+        return json.loads(line[0][len("interrupted "):]), exit_s, tree
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait()
+        for p in tree:                                  # the test's own job, whatever went wrong
+            try:
+                if p.is_running():
+                    p.kill()
+            except psutil.Error:
+                pass
+
+
+def _alive(tree):
+    alive = []
+    for p in tree:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except psutil.Error:
+            pass
+    return alive
 
 
 def test_keyboard_interrupt_kills_every_worker():
-    code = textwrap.dedent("""
-        from lablib.jobs import launch
-        try:
-            launch.run("hello", {"hang_rank": 0}, nproc=2, timeout_s=300, quiet=True)
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(run_processes()) < 3 and time.monotonic() < deadline:  # torchrun + 2 workers
-        time.sleep(0.2)
-    assert len(run_processes()) >= 3, "the run never started"
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
-    assert "interrupted" in out
-    assert not wait_until_gone(), "workers survived Ctrl-C"
+    """Ctrl-C while rank 1 waits in its all-reduce and rank 0 sleeps: every process of the run is gone when
+    launch.run raises, and the KeyboardInterrupt says what stopping took."""
+    stop, exit_s, tree = _interrupt_kernel(
+        'launch.run("hello", {"hang_rank": 0}, nproc=2, timeout_s=300, quiet=True)',
+        ready=lambda tree: len(tree) >= 3, settle_s=1.0)                  # torchrun and its 2 workers
+    assert not _alive(tree), "processes of the run survived Ctrl-C"
+    assert {p.pid for p in tree} <= set(stop["pids"]), "the launcher's record missed a process of its job"
+    assert stop["why"] == "interrupted" and stop["sent"][0][0] == "SIGINT" and not stop["left"]
+    assert stop["elapsed_s"] <= 2 * job.GRACE_S + job.KILL_WAIT_S + 2.0
+
+
+ROBUST_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+Path(sys.argv[1], "ready" + os.environ["RANK"]).touch()
+time.sleep(600)
+"""
+
+
+def test_an_interrupt_stops_ranks_that_ignore_sigint_and_sigterm_with_sigkill(tmp_path):
+    """Ranks that ignore SIGINT and SIGTERM: the launcher's escalation reaches SIGKILL on its own clock (SIGINT, then
+    SIGTERM GRACE_S later, then SIGKILL GRACE_S after that), every process is gone, and the report says SIGKILL was
+    needed."""
+    script = tmp_path / "robust.py"
+    script.write_text(ROBUST_RANK)
+    stop, exit_s, tree = _interrupt_kernel(
+        f"launch.run_script({str(script)!r}, [{str(tmp_path)!r}], nproc=2, timeout_s=300, quiet=True)",
+        ready=lambda tree: len(list(tmp_path.glob("ready*"))) == 2)
+    assert not _alive(tree), "processes of the run survived the interrupt"
+    assert [name for name, _, _ in stop["sent"]] == ["SIGINT", "SIGTERM", "SIGKILL"] and stop["needed"] == "SIGKILL"
+    # SIGKILL goes out 2 x GRACE_S after SIGINT, plus at most the last look at the job's processes (a scan of the
+    # process table, under a second even on a loaded machine); the kernel removes SIGKILLed processes at once.
+    assert 2 * job.GRACE_S <= stop["sent"][2][1] <= 2 * job.GRACE_S + 1.0, stop
+    assert not stop["left"] and stop["elapsed_s"] <= 2 * job.GRACE_S + job.KILL_WAIT_S, stop
+    assert exit_s <= 2 * job.GRACE_S + job.KILL_WAIT_S + 5.0, exit_s
 
 
 def test_port_in_use_is_refused_clearly():
@@ -353,6 +414,7 @@ def test_two_runs_at_once_do_not_collide():
 
 
 def test_unknown_option_and_bad_world_size_fail_before_starting():
+    launch.load_step("hello")                          # importing torch is not what is timed (18 s at load 28)
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match="unknown option.*fial_rank"):
         launch.run("hello", {"fial_rank": 1}, nproc=2)

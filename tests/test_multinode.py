@@ -24,34 +24,18 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lablib.jobs import launch, multinode
+from ownjobs import own_jobs  # noqa: F401 - every test here checks and cleans up its own jobs
+
+from lablib.jobs import job, launch, multinode
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _step_processes():
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(f"lablib.runs.{step}" in " ".join(p.info["cmdline"] or []) for step in ("hello", "collectives")):
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-
-
-def _gone(timeout_s=15.0):
-    deadline = time.monotonic() + timeout_s
-    while _step_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return not _step_processes()
 
 
 def _ranks(result):
     return sorted((r["node"], r["rank"]) for r in result["metrics"]["ranks"])
 
 
-def test_two_agents_on_loopback_form_one_job_of_four_ranks(tmp_path):
+def test_two_agents_on_loopback_form_one_job_of_four_ranks(tmp_path, own_jobs):
     """The command a cluster runs on each node, run twice here: 2 nodes x 2 processes = world 4, running lab 00's
     step (every collective on 4 ranks, before and after), one result."""
     port = multinode.free_port()
@@ -59,18 +43,23 @@ def test_two_agents_on_loopback_form_one_job_of_four_ranks(tmp_path):
     cmd = [str(REPO / "launchers" / "multinode"), "collectives", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test-job", "--out", str(out), "--",
            "--world_sizes", "4"]
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)]
+    logs = [tmp_path / f"agent{i}.txt" for i in range(2)]
+
+    def agent(i):
+        with open(logs[i], "w") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    agents = [agent(0)]
     time.sleep(1.0)   # the first agent hosts the rendezvous store
-    agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True))
-    try:
-        outputs = [a.communicate(timeout=180)[0] for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-    assert [a.returncode for a in agents] == [0, 0], outputs
+    agents.append(agent(1))
+    jobs = [job.Job(a) for a in agents]     # this test's own record of each node's processes (own_jobs checks them)
+    deadline = time.monotonic() + 180
+    while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+        for j in jobs:
+            j.observe()
+        time.sleep(0.5)
+    outputs = [log.read_text() for log in logs]
+    assert [a.poll() for a in agents] == [0, 0], outputs
     picture = json.loads(out.read_text())["metrics"]["pictures"]["4"]
     assert picture["world_size"] == 4
     all_reduce, all_gather = picture["collectives"]["all_reduce"], picture["collectives"]["all_gather"]
@@ -79,7 +68,7 @@ def test_two_agents_on_loopback_form_one_job_of_four_ranks(tmp_path):
     assert all_gather["after"] == [sum(all_gather["before"], [])] * 4
     assert all(calls[0]["world_size"] == 4 for calls in all_reduce["calls"])
     assert all("--rdzv-endpoint=127.0.0.1" in o for o in outputs)   # each node printed the command it ran
-    assert _gone()
+    assert not own_jobs.remaining()
 
 
 def test_the_node_command_checks_its_arguments_before_starting_anything():
@@ -127,7 +116,7 @@ def test_run_nodes_refuses_a_leave_the_job_cannot_survive():
         multinode.run_nodes("hello", nodes=2, join=(1, "round"))
 
 
-def test_a_node_that_joins_a_running_job_makes_it_larger():
+def test_a_node_that_joins_a_running_job_makes_it_larger(own_jobs):
     """nnodes 1:2, node 1 started only once node 0's job runs: both agents restart their workers in a job of
     world size 4 (a membership change: no restart is used up). Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (multinode.AGENT_ENV) torch 2.13's agents wait on each other's rendezvous keys instead."""
@@ -140,10 +129,10 @@ def test_a_node_that_joins_a_running_job_makes_it_larger():
     assert "round 3 of 60, world size 2" in out and "round 60 of 60, world size 4" in out
     assert "round 60 of 60, world size 2" not in out
     print(f"[multinode] node 1 started at {result.joined_s:.1f} s; job done at {result.elapsed_s:.1f} s")
-    assert _gone()
+    assert not own_jobs.remaining()
 
 
-def test_an_elastic_job_goes_on_without_the_node_that_died():
+def test_an_elastic_job_goes_on_without_the_node_that_died(own_jobs):
     """nnodes 1:2: node 1 (agent and workers) is SIGKILLed mid-job; node 0's workers fail in their collective,
     its agent restarts them, the rendezvous drops the dead node, and the job finishes at world size 2."""
     t0 = time.monotonic()
@@ -159,17 +148,17 @@ def test_an_elastic_job_goes_on_without_the_node_that_died():
     assert "round 3 of 25, world size 4" in out and "round 25 of 25, world size 2" in out
     assert result.left_s is not None and result.left_s < result.elapsed_s <= elapsed
     print(f"[multinode] node 1 killed at {result.left_s:.1f} s; job done at {result.elapsed_s:.1f} s")
-    assert _gone()
+    assert not own_jobs.remaining()
 
 
-def test_a_job_of_two_nodes_that_hangs_is_stopped_at_its_timeout():
+def test_a_job_of_two_nodes_that_hangs_is_stopped_at_its_timeout(own_jobs):
     """Rank 0 never joins the all-reduce: at timeout_s every process of both agents is stopped (the same supervisor
     as launch.run's), and RunTimeout says so."""
     t0 = time.monotonic()
     with pytest.raises(launch.RunTimeout, match="ran past its timeout of 12 s; every process of every node"):
         multinode.run_nodes("hello", {"hang_rank": 0}, nodes=2, nproc_per_node=1, timeout_s=12, quiet=True)
     assert time.monotonic() - t0 < 40
-    assert _gone()
+    assert not own_jobs.remaining()
 
 
 # --- a real Slurm cluster of two nodes on this machine ------------------------------------------------------
@@ -306,4 +295,14 @@ def test_the_slurm_batch_script_runs_a_step_on_two_nodes(slurm_cluster):
     assert sorted(slurm_nodes[0] | slurm_nodes[1]) == ["node1", "node2"], slurm_nodes   # one Slurm node each
     assert len(slurm_nodes[0]) == len(slurm_nodes[1]) == 1, slurm_nodes
     assert "2 node(s) x 2 process(es), rendezvous on node1 (127.0.0.1)" in job_out
-    assert _gone()
+    # The job's own processes (Slurm's daemons detach them, so they are no descendants of this test): each rank and
+    # its torchrun agent reported their pids; none of them may outlive the job.
+    ours = {pid for r in result["metrics"]["ranks"] for pid in (r["pid"], r["agent_pid"])}
+    left = []
+    for pid in ours:
+        try:
+            if psutil.Process(pid).environ().get("SLURM_CONF") == env["SLURM_CONF"]:
+                left.append(pid)
+        except psutil.Error:
+            pass
+    assert not left, f"processes of the Slurm job outlived it: {left}"

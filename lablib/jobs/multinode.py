@@ -47,15 +47,15 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lablib.jobs import config as cfg
-from lablib.jobs import launch, outcome, processes, supervisor
+from lablib.jobs import job, launch, outcome, processes, supervisor
 
 # torch 2.13: without this, a node that joins a running job waits forever (see the module docstring).
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -103,22 +103,6 @@ class NodesResult(launch.RunResult):
         self.left_s = left_s
         self.joined_s = joined_s
         self.elapsed_s = elapsed_s
-
-
-def _kill_now(proc: subprocess.Popen, marker: str, folder: Path) -> None:
-    """SIGKILL an agent and every worker it started (its own session, or orphaned): a node that dies. Each
-    death is recorded in the run's folder first: the course's doing, not the machine's."""
-    for _ in range(20):
-        alive = [p for p in processes.run_processes(proc, marker) if p.is_running()]
-        if not alive:
-            return
-        for p in alive:
-            try:
-                processes.record_deliberate_kill(p.pid, "run_nodes(leave=...): the node leaves", folder)
-                p.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        time.sleep(0.05)
 
 
 def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, nproc_per_node: int = 1,
@@ -194,7 +178,9 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
                           flush=True)
             if leave is not None and left_s is None and leave[1] in line:
                 left_s = run.elapsed_s()
-                _kill_now(*run.process(leave[0]), run.run_dir)
+                # the agent and every worker at once, each death recorded first: the course's doing
+                job.stop([run.jobs[leave[0]]], "run_nodes(leave=...): the node leaves", first=signal.SIGKILL,
+                         folder=run.run_dir)
                 if not quiet:
                     print(f"[multinode] node {leave[0]} was killed {left_s:.1f} s after the start "
                           f"(its agent and workers, SIGKILL)", flush=True)

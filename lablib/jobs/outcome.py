@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -180,10 +179,10 @@ def failure_error(step: str, nproc: int, rc: int, run_dir: Path, output: str) ->
                     first.rank, first.details or tail(output))
 
 
-def dump_stacks(proc: subprocess.Popen, run_id: str, wait_s: float = 3.0) -> None:
-    """SIGABRT to every rank of the run (faulthandler, enabled by PYTHONFAULTHANDLER, prints each thread's
-    Python stack to the rank's stderr), then a short wait for the dumps to be written."""
-    workers = [p for p in processes.run_processes(proc, run_id) if p.pid != proc.pid and is_rank(p)]
+def dump_stacks(job, wait_s: float = 3.0) -> None:
+    """SIGABRT to every rank of the run (``job``: its ``lablib.jobs.job.Job``; faulthandler, enabled by
+    PYTHONFAULTHANDLER, prints each thread's Python stack to the rank's stderr), then a short wait for the dumps."""
+    workers = [p for p in job.members() if p.pid != job.root.pid and is_rank(p)]
     for p in workers:
         try:
             p.send_signal(signal.SIGABRT)

@@ -17,8 +17,8 @@ Lines of rank 0's stdout that start with ``PROGRESS_PREFIX`` are progress events
 Timeouts come from one number, the run's ``timeout_s``: a rank's ``init_process_group`` and collectives
 give up after ``rank_timeout_s(timeout_s)`` (passed as ``LABLIB_PG_TIMEOUT_S``), a little before the
 launcher stops the whole run, so a hang ends with a rank's traceback ("timed out" in a named collective)
-rather than with a kill. Every process of a run carries ``LABLIB_RUN_ID`` in its environment, which is how
-``kill_run`` finds workers that torchrun started in sessions of their own.
+rather than with a kill. Every process of a run carries ``LABLIB_RUN_ID`` in its environment: the last sweep of
+``lablib.jobs.job`` (the launcher's record of a job, and stopping it) finds by it a process that left the job's sessions.
 """
 
 from __future__ import annotations
@@ -26,14 +26,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 
 RUN_DIR_ENV = "LABLIB_RUN_DIR"
 RUN_MARKER = "LABLIB_RUN_ID"
@@ -253,67 +251,3 @@ def first_failure(folder: Path) -> Failure:
     logs = [f"--- {p.stem} log (last lines) ---\n{_tail(p.read_text(errors='replace'))}"
             for p in sorted(folder.glob("*.log")) if p.name != TORCHRUN_LOG and p.read_text(errors="replace").strip()]
     return Failure(None, "\n".join(logs))
-
-
-def run_processes(root_proc: subprocess.Popen, run_id: str) -> list[psutil.Process]:
-    """The root process, its descendants, and any orphan that still carries this run's marker."""
-    found: dict[int, psutil.Process] = {}
-    try:
-        root = psutil.Process(root_proc.pid)
-        found[root.pid] = root
-        for child in root.children(recursive=True):
-            found[child.pid] = child
-    except psutil.NoSuchProcess:
-        pass
-    for proc in psutil.process_iter():
-        if proc.pid in found or proc.pid == os.getpid():
-            continue
-        try:
-            if proc.environ().get(RUN_MARKER) == run_id:
-                found[proc.pid] = proc
-        except (psutil.Error, OSError):
-            continue
-    return list(found.values())
-
-
-def kill_run(root_proc: subprocess.Popen, run_id: str, grace_s: float = 3.0, deadline_s: float = 15.0,
-             folder: Path | None = None) -> None:
-    """Terminate every process of a run: SIGTERM, then SIGKILL after grace_s, repeated until none is left.
-
-    root_proc must have been started with ``RUN_MARKER=run_id`` in its environment; every descendant
-    inherits it, so even workers started in sessions of their own, or orphaned, or spawned while we were
-    killing the others, are found. With the run's ``folder``, each process SIGKILLed is recorded there first
-    (``record_deliberate_kill``): the launcher stopping a run is not the machine killing a rank.
-    """
-    def alive() -> list[psutil.Process]:
-        root_proc.poll()  # reap our own child, so it does not linger as a zombie
-        found = []
-        for proc in run_processes(root_proc, run_id):
-            try:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-            except psutil.Error:
-                pass
-        return found
-
-    procs = alive()
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=grace_s)
-    deadline = time.monotonic() + deadline_s
-    while (left := alive()) and time.monotonic() < deadline:
-        for proc in left:
-            try:
-                if folder is not None:
-                    record_deliberate_kill(proc.pid, "the launcher stopped the run", folder)
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=1.0)
-    try:
-        root_proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass

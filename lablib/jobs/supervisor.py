@@ -11,15 +11,19 @@ stopped when the run ends, however it ends (finished, failed, timed out, Ctrl-C 
             raise launch.RunTimeout(...)
         code = run.wait()
 
-On leaving the ``with`` block every process still running, and every one that carries a started process's
-marker (torchrun's workers live in sessions of their own), is stopped (``processes.kill_run``), and the run's
-folder is removed.
+Each started process is a ``lablib.jobs.job.Job``: the launcher's own record of it and of every process it starts
+(torchrun's workers live in sessions of their own), looked at while the output is read. On leaving the ``with`` block
+every process of every job still there is stopped (``job.stop``: SIGINT, then SIGTERM, then SIGKILL, on the
+launcher's clock) and the run's folder is removed. Leaving by Ctrl-C / "interrupt kernel" starts the escalation at
+SIGINT, says what stopping needed (``stop_report``, also on the KeyboardInterrupt as ``.stop`` and a note), and
+raises the KeyboardInterrupt on.
 """
 
 from __future__ import annotations
 
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +33,10 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+from lablib.jobs import job as jobs
 from lablib.jobs import processes
+
+OBSERVE_EVERY_S = 0.5   # how often the jobs' process trees are looked at while a run is watched
 
 
 class Supervisor:
@@ -51,6 +58,8 @@ class Supervisor:
         self.deadline = self.t0 + timeout_s
         self.timed_out = False
         self._procs: dict = {}       # key -> (Popen, marker)
+        self.jobs: dict = {}         # key -> jobs.Job, the record of that process and everything it started
+        self.stop_report: jobs.StopReport | None = None
         self._output: dict = {}      # key -> lines printed by that process (progress lines apart)
         self._lines: queue.Queue = queue.Queue()
         self._open = 0               # output streams not yet at their end
@@ -58,9 +67,20 @@ class Supervisor:
     def __enter__(self) -> "Supervisor":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        try:
+            if interrupted:
+                report = self.stop(first=signal.SIGINT, why="interrupted")
+                exc.stop = report
+                if hasattr(exc, "add_note"):                    # Python 3.11+
+                    exc.add_note(f"lablib: the run was {report}")
+                if not self.quiet:
+                    print(f"[lablib] run {report}", flush=True)
+            else:
+                self.stop(why="the run ended" if exc is None else f"the run raised {type(exc).__name__}")
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def start(self, command: Sequence[str], env: Mapping[str, str], *, marker: str, key=0,
               log: str = processes.TORCHRUN_LOG, cwd: Path | None = None, read_output: bool = True) -> subprocess.Popen:
@@ -68,14 +88,17 @@ class Supervisor:
         ``log`` in the run's folder (torchrun's messages), its stdout read line by line under ``key``; with
         ``read_output=False`` its stdout goes to ``log`` too (``launch.run_script`` keeps output in files)."""
         common = dict(stdin=subprocess.DEVNULL, env=dict(env), start_new_session=True, cwd=cwd)
-        with open(self.run_dir / log, "w") as log_file:
+        # A Ctrl-C between the process starting and its record being kept would leave a run nobody stops: it waits.
+        with jobs.interrupts_deferred(), open(self.run_dir / log, "w") as log_file:
             if not read_output:
                 proc = subprocess.Popen(list(command), stdout=log_file, stderr=subprocess.STDOUT, **common)
                 self._procs[key] = (proc, marker)
+                self.jobs[key] = jobs.Job(proc, marker)
                 return proc
             proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=log_file, text=True, bufsize=1,
                                     **common)
-        self._procs[key] = (proc, marker)
+            self._procs[key] = (proc, marker)
+            self.jobs[key] = jobs.Job(proc, marker)
         self._output.setdefault(key, [])
         self._open += 1
         threading.Thread(target=self._read, args=(key, proc.stdout), daemon=True).start()
@@ -89,11 +112,15 @@ class Supervisor:
     def lines(self) -> Iterator[tuple[object, str]]:
         """(key, line) for each line a process prints, until every started process has closed its stdout or
         the deadline passes; then every process is stopped first and ``timed_out`` is set."""
+        looked = time.monotonic()
         while self._open:
             if time.monotonic() > self.deadline:
                 self.timed_out = True
-                self.stop()
+                self.stop(first=signal.SIGTERM, why="timed out")
                 return
+            if time.monotonic() - looked > OBSERVE_EVERY_S:
+                self.observe()
+                looked = time.monotonic()
             try:
                 key, line = self._lines.get(timeout=0.1)
             except queue.Empty:
@@ -125,9 +152,18 @@ class Supervisor:
     def elapsed_s(self) -> float:
         return time.monotonic() - self.t0
 
-    def stop(self) -> None:
-        """Stop every process of the run that is still there (SIGTERM, then SIGKILL, recorded in the run's
-        folder as the launcher's doing)."""
-        for proc, marker in self._procs.values():
-            if proc.poll() is None or processes.run_processes(proc, marker):
-                processes.kill_run(proc, marker, folder=self.run_dir)
+    def observe(self) -> None:
+        """Look at every job's process tree now (its new workers, their groups): a job's record stays whole even if
+        torchrun dies first and leaves its workers behind."""
+        for job in self.jobs.values():
+            job.observe()
+
+    def stop(self, first=signal.SIGTERM, why: str = "stopped") -> jobs.StopReport:
+        """Stop every process of every job still there, together: ``first``, then the stronger signals on the
+        launcher's clock (``job.stop``), each SIGKILL recorded in the run's folder as the launcher's doing."""
+        self.stop_report = jobs.stop(list(self.jobs.values()), why, first=first, folder=self.run_dir)
+        return self.stop_report
+
+    def remaining(self) -> list[int]:
+        """pids of the run's processes still alive (empty once the run is stopped)."""
+        return sorted(pid for job in self.jobs.values() for pid in job.remaining())

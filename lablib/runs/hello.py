@@ -61,7 +61,7 @@ def run(env, config: Config) -> dict:
         dist.all_reduce(torch.ones(1, device=env.device))
         if env.is_main:
             print(f"round {k + 1} of {config.rounds}, world size {env.world_size}", flush=True)
-    info = {**env.describe(), "pid": os.getpid(), "hostname": os.uname().nodename,
+    info = {**env.describe(), "pid": os.getpid(), "agent_pid": os.getppid(), "hostname": os.uname().nodename,
             "node": int(os.environ.get("GROUP_RANK", "0")), "slurm_node": os.environ.get("SLURMD_NODENAME", "")}
     gathered = gather_objects(info, env)
     if env.is_main:
