@@ -14,20 +14,23 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-# Per-rank bandwidths used for the lab's "seed table" (bytes per second). Nominal figures, the best case:
-# - NVLink: 600 GB/s is the A100's NVLink 3 total (12 links x 50 GB/s, counting both directions; 300 GB/s
-#   each way). H100's NVLink 4 quotes 900 GB/s the same way.
-# - PCIe: ~50 GB/s, between PCIe 4.0 x16 (32 GB/s each way) and PCIe 5.0 x16 (64 GB/s each way).
-# - InfiniBand: 25 GB/s, one HDR 200 Gb/s NIC per GPU (NDR 400 Gb/s would be 50 GB/s).
+# Per-rank bandwidths used for the lab's "seed table" (bytes per second), each one way: the ring's B is what a
+# rank sends while it receives as much (nccl-tests' bus bandwidth is the same per-direction figure). Nominal
+# figures, the best case:
+# - NVLink: 300 GB/s, the A100's NVLink 3 per direction (12 links x 25 GB/s each way; NVIDIA's "600 GB/s" adds
+#   both directions). H100's NVLink 4: 450 GB/s each way (quoted as 900). NCCL measures ~230 GB/s on 8x A100.
+# - PCIe: ~50 GB/s each way, between PCIe 4.0 x16 (32 GB/s each way) and PCIe 5.0 x16 (64 GB/s each way).
+# - InfiniBand: 25 GB/s each way, one HDR 200 Gb/s NIC per GPU (NDR 400 Gb/s would be 50 GB/s).
 INTERCONNECTS = {
-    "NVLink": 600e9,
+    "NVLink": 300e9,
     "PCIe": 50e9,
     "InfiniBand": 25e9,
 }
 
-# Parameter counts of the models in the seed table (as usually quoted).
+# Parameter counts of the models in the seed table. GPT-2 small is 124 M with its tied embedding counted once
+# (the GPT-2 paper's "117M" is an older count of the same model).
 MODELS = {
-    "GPT-2 small": 117e6,
+    "GPT-2 small": 124e6,
     "GPT-2 large": 774e6,
     "LLaMA-7B": 7e9,
 }
