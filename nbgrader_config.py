@@ -34,3 +34,11 @@ c.Execute.startup_timeout = 120
 c.OverwriteCells.add_missing_cells = True
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+# Feedback goes back to students: it shows each graded cell's outputs and points, never the hidden tests' source
+# (nbgrader's default feedback renders the autograded notebook, hidden regions included; ClearHiddenTests removes them
+# after the grades are read).
+c.GenerateFeedback.preprocessors = [
+    "nbgrader.preprocessors.GetGrades",
+    "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
+    "nbgrader.preprocessors.ClearHiddenTests",
+]

@@ -3,6 +3,7 @@ submissions cost their students points, never the run, and no kernel survives. (
 the serial mode is test_grade_parallel.py's release student.)"""
 
 import csv
+import html
 import re
 import subprocess
 import zipfile
@@ -92,5 +93,10 @@ def test_grade_a_zip_export(tmp_path):
     assert (rows["carol"]["status"], float(rows["carol"]["auto_score"])) == ("unreadable", 0.0)
     assert (rows["dave"]["status"], float(rows["dave"]["auto_score"])) == ("timeout", 0.0)
     assert float(rows["alice"]["manual_max_pending"]) > 0, "free-text answers are left for manual grading"
-    assert (out / "feedback" / "alice" / LAB / f"{LAB}.html").is_file()
+    feedback = (out / "feedback" / "alice" / LAB / f"{LAB}.html").read_text()
+    # Feedback goes back to the student: no hidden test's source in it (only outputs and points).
+    hidden = [line.strip() for cell in labkit.read(LAB).cells for region in labkit.HIDDEN_REGION.findall(cell.source)
+              for line in region.splitlines() if labkit.substantial(line)]
+    assert hidden and "BEGIN HIDDEN TESTS" not in feedback
+    assert not [line for line in hidden if html.escape(line) in feedback or line in feedback], "hidden tests in feedback"
     assert not kernels_under(tmp_path), "a grading kernel survived"

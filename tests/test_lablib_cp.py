@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lablib import checks
 from lablib.course import cp_model
@@ -218,6 +219,7 @@ def _ring_module(source: str):
 _KEEPS_SCORES = """
 import math
 import torch
+import torch.distributed as dist
 
 
 def ring_attention_forward(q, k, v, comm, positions, causal=True):
@@ -266,8 +268,19 @@ def test_ulysses_rehearsal_at_one_rank_and_from_imports():
     bound = _ulysses_module(("import torch.distributed as dist\n",
                              "import torch.distributed as dist\nfrom torch.distributed import all_to_all_single\n"),
                             (_A2A, "all_to_all_single(recv, send, group=group)"))
-    assert cp_ulysses.binds_real_collectives(bound) == ["all_to_all_single"]
-    assert cp_ulysses.rehearse_ulysses(bound, 2, ("basic",)) == []              # steps aside for the real run
+    for records in cp_ulysses.rehearse_ulysses(bound, 2, ("basic",)):           # rehearsed like any other style
+        cp_ulysses.check_ulysses(records)
+    assert bound.all_to_all_single is dist.all_to_all_single                    # the real function again afterwards
+    # The red team's answer: names bound by import, the group ignored. Two groups of 2 on 4 thread ranks catch it.
+    ignores_group = _ulysses_module(
+        ("import torch.distributed as dist\n",
+         "import torch.distributed as dist\nfrom torch.distributed import all_to_all_single, get_world_size\n"),
+        (_A2A, "all_to_all_single(recv, send)"), ("dist.get_world_size(group)", "get_world_size()"))
+    with pytest.raises(Exception):
+        for records in cp_ulysses.rehearse_ulysses(ignores_group, 4, [dict(B=1, H=8, T=16, D=8, causal=True,
+                                                                           dtype="float32", logits=3.0, groups=2,
+                                                                           name="subgroups")]):
+            cp_ulysses.check_ulysses(records)
 
 
 def test_ulysses_barrier_is_counted_in_threads():

@@ -135,7 +135,8 @@ def hint(details: str) -> str:
                 "run it again (it rewrites the module file), then re-run this step.")
     if "Timeout" in details or "timed out" in details:
         return ("Hint: a collective waited for a rank that never joined. Check that every rank calls the "
-                "same collectives in the same order (no rank-dependent branch around a collective).")
+                "same collectives in the same order (no rank-dependent branch around a collective), and that every "
+                "isend/irecv and every async_op=True work is waited on (.wait()) before the step ends.")
     return ""
 
 

@@ -48,6 +48,14 @@ def check_zigzag(split, seq_len: int, world_size: int) -> None:
 
 
 def check_short(zigzag_positions, world_size: int) -> None:
+    """Fewer than 2N positions: a ValueError naming the length; exactly 2N: a split like any other (one position a
+    chunk), not an error."""
+    try:
+        shortest = zigzag_positions(2 * world_size, world_size)
+    except ValueError as error:
+        checks.check_true(False, f"zigzag_positions({2 * world_size}, {world_size}) raised {error!r}; {2 * world_size} "
+                          f"positions are enough (one per chunk): only fewer than 2N is refused")
+    check_zigzag(shortest, 2 * world_size, world_size)
     try:
         zigzag_positions(2 * world_size - 1, world_size)
     except ValueError as error:

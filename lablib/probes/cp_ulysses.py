@@ -49,14 +49,6 @@ def resolve_case(case) -> dict:
     return dict(case)
 
 
-def binds_real_collectives(module) -> list[str]:
-    """The names a student's module bound to torch.distributed's own functions (``from torch.distributed import
-    all_to_all_single``): the thread rehearsal replaces the module's attributes, so those stay real and would fail
-    there for want of a process group, while the real run is right. The rehearsal then steps aside."""
-    real = {getattr(dist, name) for name in group_rehearsal.REHEARSED if hasattr(dist, name)}
-    return sorted(name for name, value in vars(module).items() if callable(value) and value in real)
-
-
 def probe_ulysses(module, group, case, seed: int = 0, log=None) -> dict:
     """One rank: the re-shards and the attention of one case (a name of ``CASES`` or a dict), and the error for a
     head count N does not divide."""
@@ -110,10 +102,14 @@ def indivisible_message(module, group, n: int) -> str:
 
 
 def rehearse_ulysses(module, world_size: int, cases, timeout_s: float = 20.0) -> list[list[dict]]:
-    """Each case on world_size thread ranks: [case][rank] records. [] when the module bound torch.distributed's
-    functions by name (``binds_real_collectives``): the rehearsal steps aside and the 2-process run decides."""
-    if binds_real_collectives(module):
-        return []
+    """Each case on world_size thread ranks: [case][rank] records. A module that bound torch.distributed's functions
+    by name (``from torch.distributed import all_to_all_single``) is rehearsed the same way: those names call the
+    rehearsal's fakes while it runs (``group_rehearsal.names_follow_fakes``)."""
+    with group_rehearsal.names_follow_fakes(module):
+        return _rehearse(module, world_size, cases, timeout_s)
+
+
+def _rehearse(module, world_size: int, cases, timeout_s: float) -> list[list[dict]]:
     out = []
     for case in cases:
         case = resolve_case(case)

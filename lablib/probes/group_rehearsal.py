@@ -31,6 +31,8 @@ A group object of another kind (the real ``dist.group.WORLD``, None) means every
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -74,6 +76,30 @@ def _splits(sizes, rows: int, n: int, what: str) -> list[int]:
 # The torch.distributed functions ``fakes`` replaces (a name bound to the real one before the rehearsal is not).
 REHEARSED = ("get_rank", "get_world_size", "all_reduce", "all_to_all_single", "all_gather", "all_gather_into_tensor",
              "barrier")
+
+
+@contextlib.contextmanager
+def names_follow_fakes(module):
+    """While it lasts, every name the student's module bound to one of torch.distributed's own REHEARSED functions
+    (``from torch.distributed import all_to_all_single``) calls whatever ``torch.distributed`` holds under that name
+    when called: the rehearsal's fake inside run_in_thread_ranks, the real function outside. So an answer in that import
+    style is rehearsed like any other (its groups, world sizes and collectives checked), not waved through to a run on
+    the world alone."""
+    real = {getattr(dist, name): name for name in REHEARSED if hasattr(dist, name)}
+    bound = {attr: real[value] for attr, value in vars(module).items() if callable(value) and value in real}
+
+    def follower(name):
+        def call(*args, **kwargs):
+            return getattr(dist, name)(*args, **kwargs)
+        return call
+
+    for attr, name in bound.items():
+        setattr(module, attr, follower(name))
+    try:
+        yield sorted(bound)
+    finally:
+        for attr, name in bound.items():
+            setattr(module, attr, getattr(dist, name))
 
 
 def fakes(world, local, log: list[list] | None = None) -> dict:
@@ -139,8 +165,10 @@ def fakes(world, local, log: list[list] | None = None) -> dict:
 
     def unsupported(name):
         def call(*args, **kwargs):
-            raise RehearsalUnsupported(f"torch.distributed.{name} is not rehearsed on thread ranks with sub-groups "
-                                       f"(only all_to_all_single and all_reduce are)")
+            raise RehearsalUnsupported(f"torch.distributed.{name} was called; the thread rehearsal stands in for "
+                                       f"all_to_all_single, all_reduce and barrier only, and an exercise that asks for "
+                                       f"an all-to-all (Ulysses' re-shard, the expert dispatch) uses "
+                                       f"all_to_all_single and nothing else")
         return call
 
     return {"get_rank": get_rank, "get_world_size": get_world_size, "all_reduce": all_reduce,

@@ -111,6 +111,8 @@ WRONG_ANSWERS = {
             "cp_zigzag", ("    return (world_size - 1) / (2 * world_size - 1)", "    return (world_size - 1) / world_size"))),
         ("the idle fraction (N-1)/(2N): the diagonal step forgotten", _changed(
             "cp_zigzag", ("    return (world_size - 1) / (2 * world_size - 1)", "    return (world_size - 1) / (2 * world_size)"))),
+        ("refuses exactly 2N positions too (<= instead of <): one position a chunk is a valid split (red team)",
+         _changed("cp_zigzag", ("    if seq_len < 2 * world_size:\n", "    if seq_len <= 2 * world_size:\n"))),
         ("no check of the length: a short sequence gives empty chunks", _changed(
             "cp_zigzag", ("    if seq_len < 2 * world_size:\n", "    if False:\n"))),
         ("the idle fraction returned as lablib's own count at T = 4096, not the closed form (issue 38)", _changed(
@@ -137,6 +139,17 @@ WRONG_ANSWERS = {
                            "    return recv.reshape(B, n * H_r, T // n, D)"))),
         ("the attention on the re-sharded heads without the causal mask", _changed(
             "cp_ulysses", ("is_causal=causal)", "is_causal=False)"))),
+        ("from torch.distributed import all_to_all_single, get_world_size, and the group ignored (kept full marks when "
+         "the rehearsal stepped aside for names bound by import; the red team's): caught on two groups of 2", _changed(
+            "cp_ulysses", ("import torch.distributed as dist\n",
+                           "import torch.distributed as dist\nfrom torch.distributed import all_to_all_single, "
+                           "get_world_size\n"),
+            ("    n = dist.get_world_size(group)\n    B, H, T_r, D = x.shape", "    n = get_world_size()\n    B, H, T_r, D = x.shape"),
+            ("    n = dist.get_world_size(group)\n    B, H_r, T, D = x.shape", "    n = get_world_size()\n    B, H_r, T, D = x.shape"),
+            ("    dist.all_to_all_single(recv, send, group=group)\n    return recv.permute",
+             "    all_to_all_single(recv, send)\n    return recv.permute"),
+            ("    dist.all_to_all_single(recv, send, group=group)\n    return recv.transpose",
+             "    all_to_all_single(recv, send)\n    return recv.transpose"))),
         ("an extra dist.barrier after the all-to-all (passed on thread ranks before, failed on 2 processes; issue 46)",
          _changed("cp_ulysses", ("    dist.all_to_all_single(recv, send, group=group)\n    return recv.permute",
                                  "    dist.all_to_all_single(recv, send, group=group)\n    dist.barrier(group=group)\n"
@@ -175,7 +188,7 @@ CORRECT_VARIANTS = {
     ],
     "cp_ulysses": [
         ("from torch.distributed import all_to_all_single, get_world_size (names bound before the rehearsal: it "
-         "steps aside and the 2-process run grades)", _changed(
+         "rehearses them like any other style)", _changed(
             "cp_ulysses", ("import torch.distributed as dist\n",
                            "import torch.distributed as dist\nfrom torch.distributed import all_to_all_single, "
                            "get_world_size\n"),
