@@ -1,6 +1,6 @@
 """lablib: the library behind the Distributed Training Labs, what students install.
 
-Read it like a table of contents. Five folders, one job each, and two modules of their own:
+Read it like a table of contents. Six folders, one job each, and two modules of their own:
 
 ``lablib.jobs``: running a step
 - ``lablib.jobs.launch``    ``run(step, options, nproc=...)``: a ``lablib.runs.<step>`` under torchrun, its result;
@@ -14,6 +14,8 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.jobs.config``    typed, strict option parsing shared by the launcher and the run scripts
 - ``lablib.jobs.script``    the skeleton every run script shares (errors, JSON output, clean shutdown)
 - ``lablib.jobs.exercise``  loading the module file a notebook exercise wrote into a run script
+- ``lablib.jobs.job``       the launcher's own record of a job it started (pids, process groups, sessions) and
+                            the escalating stop (SIGINT, SIGTERM, SIGKILL on a deadline) an interrupt or a timeout uses
 
 ``lablib.measure``: what happened
 - ``lablib.measure.timing``    the one definition of a step's time across ranks (slowest rank per step, median)
@@ -65,6 +67,7 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.zero``            lab 07's ZeRO-1 and ZeRO-2 (vs AdamW, bytes each rank holds, collectives)
 - ``lablib.probes.zero3``           lab 07's ZeRO-3 (gathered per block in both passes, vs AdamW and FSDP2)
 - ``lablib.probes.zero3_cases``     lab 07's ZeRO-3 cases: models cut into units, batches, FSDP2 on the same data
+- ``lablib.probes.zero3_precision`` lab 07's mixed-precision ZeRO-3 (casts, bytes by dtype, fp16 underflow, loss curves)
 - ``lablib.probes.zero_cases``      lab 07's test models, batches, optimizer settings and lr schedule
 - ``lablib.probes.zero_held``       what a rank holds under lab 07's classes, counted from storages
 - ``lablib.probes.zero_comm``       the collectives lab 07's classes call, recorded on thread or torchrun ranks
@@ -88,6 +91,14 @@ Read it like a table of contents. Five folders, one job each, and two modules of
 - ``lablib.probes.expert_parallel`` lab 13's probes as the notebook reaches them (capacity and loss properties)
 - ``lablib.probes.ep_dispatch``     lab 13's dispatch and combine on ranks vs one process (values, rows, bytes)
 - ``lablib.probes.ep_grads``        lab 13's gradient reduction on a dp x ep mesh (values, groups)
+
+``lablib.gpucheck``: the course on a GPU (``launchers/gpu-check``): every lab's steps at a student's sizes, the checks only
+a GPU can make, one report
+- ``lablib.gpucheck.__main__``       the command line (``python -m lablib.gpucheck``)
+- ``lablib.gpucheck.steps``          each lab's multi-process steps and how each result is judged (the lab's own probes)
+- ``lablib.gpucheck.exercise_files`` the exercise files a step needs, from the solutions or a student's labs/
+- ``lablib.gpucheck.gpu_checks``     what only a GPU shows: memory vs max_memory_allocated, torch's context parallelism
+- ``lablib.gpucheck.runner``         the budget, each step's limit, the comparison with the CPU run, the report
 
 - ``lablib.checks``    the assertions the notebooks' checks use (clear messages, with hints)
 - ``lablib.runs``      the multi-process steps, one module per step; a step never imports another
