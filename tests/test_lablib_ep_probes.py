@@ -291,7 +291,7 @@ def test_dispatch_bytes_are_the_formula_exactly():
     assert step["output"] <= step["output_bound"] and step["rows"] == step["wanted_rows"]      # values are right
     with pytest.raises(checks.CheckFailed, match="bytes the forward sends"):
         ep_dispatch.check({**records[0], "steps": [{**step, "x_grad": 0.0, "gates_grad": 0.0,
-                                                     "expert_grads": {"-": 0.0}}]}, real_ranks=False)
+                                                     "expert_grads": {"-": 0.0}, "expert_grads_none": []}]}, real_ranks=False)
 
 
 def test_grouped_mm_experts_equal_the_loop_with_an_empty_expert():

@@ -187,6 +187,7 @@ def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2, de
                 "dtype": str(y.dtype), "want_dtype": str(dtype), "shape": list(y.shape), "want_shape": list(x.shape),
                 "x_grad": _diff(x_in.grad, ref_x.grad), "gates_grad": _diff(gates_in.grad, ref_gates.grad),
                 "expert_grads": {name: _diff(got, want) for name, (got, want) in grads.items()},
+                "expert_grads_none": sorted({name.rsplit(" ", 1)[0] for name, (got, _) in grads.items() if got is None}),
                 "grad_bound": rounding * grad_scale,
                 "rows": rows, "wanted_rows": wanted_rows,
                 "inputs_changed": [name for name, a, b in (("x", x_in, kept[0]), ("expert_index", index_in, kept[1]),
@@ -235,6 +236,10 @@ def check(record: dict, real_ranks: bool = True) -> None:
                               f"difference {s[name]:.2e}, allowed {s['grad_bound']:.1e}",
                               "the gradient flows back through both all_to_all_single calls: each needs a backward "
                               "that sends the gradient back with the splits swapped")
+        checks.check_true(not s.get("expert_grads_none"), f"every local expert has a gradient after the backward "
+                          f"({at}): {s.get('expert_grads_none')} have None",
+                          "a rank runs each of its experts, on zero rows when no token reached it: its gradient is then "
+                          "zeros, not None, and exercise 4's reduction sees the same tensors on every rank")
         worst = max(s["expert_grads"].items(), key=lambda kv: kv[1])
         checks.check_true(worst[1] <= s["grad_bound"], f"local experts' gradients equal one process's ({at}): "
                           f"{worst[0]} off by {worst[1]:.2e}, allowed {s['grad_bound']:.1e}",

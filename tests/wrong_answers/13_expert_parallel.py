@@ -25,6 +25,17 @@ def _keep_replaced(body: str) -> str:
 
 WRONG_ANSWERS = {
     "moe_routing": [
+        ("first choices first, then each token's remaining choices together (right for k <= 2, wrong for k = 3; red "
+         "team: kept full marks before the hidden k = 3 routings)", _keep_replaced('''
+    first = expert_index[:, :1].t().reshape(-1)                      # every first choice, tokens in order
+    rest = expert_index[:, 1:].reshape(-1)                           # then token by token, its other choices
+    by_priority = torch.cat([first, rest])
+    one_hot = torch.nn.functional.one_hot(by_priority, num_experts)
+    position = one_hot.cumsum(0) - 1
+    fits = (position.gather(1, by_priority.unsqueeze(1)).squeeze(1) < capacity)
+    t, k = expert_index.shape
+    return torch.cat([fits[:t].view(t, 1), fits[t:].view(t, k - 1)], 1)
+''')),
         ("capacity rounded down", _changed("moe_routing", (
             "    return math.ceil(capacity_factor * k * num_tokens / num_experts)",
             "    return math.floor(capacity_factor * k * num_tokens / num_experts)"))),
@@ -87,6 +98,13 @@ WRONG_ANSWERS = {
             "    f = counts.to(router_probs.dtype) / expert_index.numel()", "    f = router_probs.mean(dim=0)"))),
     ],
     "ep_dispatch": [
+        ("an expert that received no row is not run (its gradient stays None; the text asks to run it on zero rows; red "
+         "team: kept full marks before every local expert's gradient was required)", _changed("ep_dispatch", (
+            "        rows = (local_id == i).nonzero().squeeze(1)\n        out = out.index_copy(0, rows, expert(tokens[rows]))",
+            "        rows = (local_id == i).nonzero().squeeze(1)\n        if len(rows) == 0:\n            continue\n"
+            "        out = out.index_copy(0, rows, expert(tokens[rows]))"), (
+            "    back = AllToAll.apply(out, recv_splits, send_splits, group)",
+            "    back = AllToAll.apply(out + tokens.sum() * 0, recv_splits, send_splits, group)"))),
         ("combine in dispatch order: the i-th result back goes to the i-th kept token, not to its own token",
          _changed("ep_dispatch", ("    return torch.zeros_like(x).index_add(0, order // k, weighted)",
                                   "    return torch.zeros_like(x).index_add(0, torch.sort(order // k).values, weighted)"))),
