@@ -184,8 +184,11 @@ class _NoWait(_Mean):
                     p.grad /= torch.distributed.get_world_size(world_group)
 
 
-@pytest.mark.parametrize("impl, case, passes", [(_Mean, "frozen", True), (_Mean, "unused", True),
-                                                (_DividedByDp, "frozen", False), (_SkipsFrozenOnly, "unused", False),
+_UNUSED = dict(name="unused", dtype="float32", no_grad=["dense", 1, True])       # a case given as a dict
+
+
+@pytest.mark.parametrize("impl, case, passes", [(_Mean, "frozen", True), (_Mean, _UNUSED, True),
+                                                (_DividedByDp, "frozen", False), (_SkipsFrozenOnly, _UNUSED, False),
                                                 (_NoWait, "fp32", False)])
 def test_grads_probe_on_a_2x2_mesh(impl, case, passes):
     dp_groups, _ = ep_grads.mesh_groups(2, 2)
@@ -211,9 +214,28 @@ def test_rehearsal_async_result_lands_on_wait():
     assert run_in_thread_ranks(2, body, more_fakes=group_rehearsal.fakes) == [(1.0, 3.0), (2.0, 3.0)]
 
 
+def test_visible_cases_only_in_lablib_and_dict_cases_checked():
+    assert set(ep_dispatch.CASES) == {"uneven", "empty", "one"} and set(ep_grads.CASES) == {"fp32", "frozen"}
+    drawn = ep_dispatch.resolve_case(dict(name="top3", k=3, dtype="float64", routing="random", seed=9, tokens=[2, 5]))
+    assert [ep_dispatch.tokens_on(r, drawn) for r in range(3)] == [2, 5, 2]
+    data = ep_dispatch.routing(drawn, 2, 4, 0)
+    assert data[0][1].shape == (2, 3) and data[0][0].dtype == torch.float64
+    for bad in (dict(name="x", k=0, dtype="float32", routing="random"), dict(name="x", k=1, dtype="half",
+                routing="random"), dict(name="x", k=1, dtype="float32", routing="random", tokens=[0]),
+                dict(name="x", k=1, dtype="float32"), dict(name="x", k=1, dtype="float32", routing="one", extra=1)):
+        with pytest.raises(ValueError, match="dispatch case"):
+            ep_dispatch.resolve_case(bad)
+    with pytest.raises(ValueError, match="ep_dp case"):
+        ep_grads.resolve_case(dict(name="x", dtype="float32", no_grad=["nope", 0, True]))
+
+
 def test_run_config_validation():
     with pytest.raises(ValueError, match="unknown"):
         ep_run.Config(exercise="dispatch", cases=("nope",)).validate()
+    with pytest.raises(ValueError, match="dispatch case"):
+        ep_run.Config(exercise="dispatch", cases_json='[{"name": "x", "k": 1}]').validate()
+    with pytest.raises(ValueError, match="cases_json"):
+        ep_run.Config(exercise="dispatch", cases_json='{"name": "x"}').validate()
     with pytest.raises(ValueError, match="needs 4 ranks"):
         ep_run.Config(exercise="ep_dp", mesh="2x2").validate_world(2)
     ep_run.Config(exercise="ep_dp", mesh="2x2", cases=("frozen",)).validate()

@@ -50,6 +50,15 @@ def jsonable(value):
     return value
 
 
+def case_dicts(cases_json: str) -> list[dict]:
+    """A ``cases_json`` option (the hidden tests' drawn cases, handed to a run script as text): a JSON list of case
+    dicts, each with a "name"; "" is none. Each lab's probe checks the dicts' other keys."""
+    cases = json.loads(cases_json) if cases_json else []
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c for c in cases):
+        raise ValueError(f"cases_json={cases_json!r} must be a JSON list of case dicts, each with a 'name'")
+    return cases
+
+
 def _split_out(argv: list[str]) -> tuple[str | None, list[str]]:
     out, rest, i = None, [], 0
     while i < len(argv):

@@ -46,6 +46,30 @@ def tiles_per_step(positions: list[torch.Tensor]) -> list[list[int]]:
     return work
 
 
+def _tiles(q: torch.Tensor, mine: torch.Tensor, kv: torch.Tensor, key_positions: torch.Tensor, head_dim: int,
+           repeats: int) -> int:
+    """The work of one K/V block ``kv`` (2, B, H, len(key_positions), D) for the queries ``q`` at ``mine``: every
+    tile not fully masked, ``repeats`` times; returns the visible (query, key) pairs."""
+    pairs = 0
+    key_pieces = pieces(key_positions)
+    offsets = [0]
+    for p in key_pieces:
+        offsets.append(offsets[-1] + len(p))
+    q_start = 0
+    for qp in pieces(mine):
+        q_block = q[:, :, q_start:q_start + len(qp)]
+        q_start += len(qp)
+        for kp, k0, k1 in zip(key_pieces, offsets, offsets[1:]):
+            if kp.min() > qp.max():
+                continue                                    # every key after every query: skipped
+            visible = kp[None, :] <= qp[:, None]
+            pairs += int(visible.sum())
+            for _ in range(repeats):
+                s = torch.matmul(q_block, kv[0, :, :, k0:k1].transpose(-2, -1)) / math.sqrt(head_dim)
+                torch.matmul(torch.exp(s.masked_fill(~visible, -math.inf)), kv[1, :, :, k0:k1])
+    return pairs
+
+
 def timed_ring(comm, positions: list[torch.Tensor], batch: int, n_head: int, head_dim: int,
                repeats: int = 1, seed: int = 0) -> dict:
     """One causal ring pass on this rank: per step, seconds computing, seconds waiting for the next block, and the
@@ -66,23 +90,7 @@ def timed_ring(comm, positions: list[torch.Tensor], batch: int, n_head: int, hea
             incoming = torch.empty(2, batch, n_head, len(positions[(src - 1) % n]), head_dim)
             works = [comm.isend(kv, (rank + 1) % n), comm.irecv(incoming, (rank - 1) % n)]
         t0 = time.perf_counter()
-        pairs = 0
-        key_pieces = pieces(positions[src])
-        offsets = [0]
-        for p in key_pieces:
-            offsets.append(offsets[-1] + len(p))
-        q_start = 0
-        for qp in pieces(mine):
-            q_block = q[:, :, q_start:q_start + len(qp)]
-            q_start += len(qp)
-            for kp, k0, k1 in zip(key_pieces, offsets, offsets[1:]):
-                if kp.min() > qp.max():
-                    continue                                    # every key after every query: skipped
-                visible = kp[None, :] <= qp[:, None]
-                pairs += int(visible.sum())
-                for _ in range(repeats):
-                    s = torch.matmul(q_block, kv[0, :, :, k0:k1].transpose(-2, -1)) / math.sqrt(head_dim)
-                    torch.matmul(torch.exp(s.masked_fill(~visible, -math.inf)), kv[1, :, :, k0:k1])
+        pairs = _tiles(q, mine, kv, positions[src], head_dim, repeats)
         t1 = time.perf_counter()
         if step < n - 1:
             for w in works:
@@ -91,5 +99,36 @@ def timed_ring(comm, positions: list[torch.Tensor], batch: int, n_head: int, hea
         rows["compute_s"].append(t1 - t0)
         rows["wait_s"].append(time.perf_counter() - t1)
         rows["pairs"].append(pairs)
+        rows["largest_kv_bytes"] = max(rows.get("largest_kv_bytes", 0), (kv.numel() + (
+            incoming.numel() if step < n - 1 else 0)) * kv.element_size())     # the block held and the one arriving
     rows["span_s"] = time.perf_counter() - start      # from the barrier the caller passed to this rank's last block
     return rows
+
+
+def timed_gather(group, positions: list[torch.Tensor], batch: int, n_head: int, head_dim: int, repeats: int = 1,
+                 seed: int = 0) -> dict:
+    """The same causal work with K/V gathered first (Llama 3's context parallelism, torch's default ALL_GATHER
+    rotate method): one all_gather of every rank's K/V block, exposed (nothing to compute until it lands), then every
+    block's tiles. Blocks of unequal length are padded to the longest for the collective. Returns the gather's and
+    the compute's seconds, the span, the bytes this rank sent (its block to each of the N-1 others, as the ring's
+    N-1 hops send) and the K/V bytes it holds at once (all T positions)."""
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(seed + rank)
+    mine = positions[rank]
+    q = torch.randn(batch, n_head, len(mine), head_dim, generator=g)
+    kv = torch.randn(2, batch, n_head, len(mine), head_dim, generator=g)
+    longest = max(len(p) for p in positions)
+    padded = torch.zeros(2, batch, n_head, longest, head_dim)
+    padded[..., :len(mine), :] = kv
+    start = time.perf_counter()
+    gathered = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(gathered, padded, group=group)
+    t1 = time.perf_counter()
+    pairs = sum(_tiles(q, mine, gathered[j][..., :len(positions[j]), :], positions[j], head_dim, repeats)
+                for j in range(n))
+    end = time.perf_counter()
+    return {"gather_s": t1 - start, "compute_s": end - t1, "span_s": end - start, "pairs": pairs,
+            "bytes_sent": (n - 1) * padded.numel() * padded.element_size(),
+            "largest_kv_bytes": sum(t.numel() for t in gathered) * padded.element_size()}

@@ -10,8 +10,10 @@ it ran (a forward hook counts them; the reference counts kept assignments per ex
 first, every copy of the experts takes the same SGD step, and the second step is checked the same way (nothing
 may be cached from the first call). The caller's x, expert_index and gates must come back unchanged.
 
-Cases (``CASES``): token counts per rank that differ and that N does not divide; some assignments dropped
-(``DROPPED``); an expert no token picks; every token picking expert 0 (all tokens to rank 0); k = 2; float64.
+Visible cases (``CASES``): token counts per rank that differ and that N does not divide, some assignments dropped
+(``DROPPED``); an expert no token picks; every token picking expert 0 (all tokens to rank 0). The graded cases beyond
+these (k > 1, float64, other token counts and seeds) are drawn by the instructor's hidden tests when they run and
+handed to the same functions as dicts (``resolve_case``); none of them is listed here.
 Tolerance: results within gamma_K * max|reference| (Higham's gamma_K = K u / (1 - K u), u = 2^-24 in float32,
 2^-53 in float64), K the roundings along the longest chain (the expert's two matrix products, n_embd and 4 n_embd
 terms; the gradient's sum over every token of the batch; the k gated terms; 8 elementwise steps): the sums may
@@ -38,16 +40,45 @@ from lablib.measure.rankcheck import gamma
 
 N_EMBD, EXPERTS_PER_RANK, LR = 8, 2, 0.1
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
-# case -> (k, dtype, routing): "random" with some assignments dropped, "empty" (expert 1 never picked),
-# "one" (every token picks expert 0)
-CASES = {"uneven": (1, torch.float32, "random"), "empty": (1, torch.float32, "empty"),
-         "one": (1, torch.float32, "one"), "top2": (2, torch.float32, "random"),
-         "float64": (2, torch.float64, "random")}
+# The visible cases, by name: k (choices per token), dtype, routing ("random" with about one assignment in five
+# dropped; "empty": expert 1 never picked; "one": every token picks expert 0), seed (added to the routing's seed),
+# tokens (per-rank token counts, cycled over the ranks)
+CASES = {"uneven": dict(k=1, dtype="float32", routing="random"), "empty": dict(k=1, dtype="float32", routing="empty"),
+         "one": dict(k=1, dtype="float32", routing="one")}
+CASE_KEYS = {"k", "dtype", "routing"}
+OPTIONAL_KEYS = {"seed", "tokens"}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+TOKENS = (5, 7, 4, 9, 6, 3)                 # differ per rank; no world size divides their sum evenly
 
 
-def tokens_on(rank: int) -> int:
-    """Token counts that differ per rank and that no world size divides evenly: 5, 7, 4, 9, ..."""
-    return (5, 7, 4, 9, 6, 3)[rank % 6]
+def resolve_case(case) -> dict:
+    """A case by name (``CASES``) or as a dict with a ``name``, the keys of ``CASE_KEYS`` and optionally
+    ``seed`` (int) and ``tokens`` (per-rank token counts, at least 1 each): the dict, named, checked."""
+    if isinstance(case, str):
+        if case not in CASES:
+            raise ValueError(f"unknown dispatch case {case!r}; named cases: {sorted(CASES)} (others are passed as "
+                             f"dicts)")
+        case = dict(CASES[case], name=case)
+    if not isinstance(case, dict):
+        raise ValueError(f"a dispatch case is a name or a dict, got {type(case).__name__}")
+    missing, unknown = sorted((CASE_KEYS | {"name"}) - set(case)), sorted(set(case) - CASE_KEYS - OPTIONAL_KEYS - {"name"})
+    if missing or unknown:
+        raise ValueError(f"dispatch case {case!r}: missing keys {missing}, unknown keys {unknown}")
+    if case["dtype"] not in DTYPES or case["routing"] not in ("random", "empty", "one"):
+        raise ValueError(f"dispatch case {case['name']!r}: dtype must be one of {sorted(DTYPES)} and routing "
+                         f"'random', 'empty' or 'one'")
+    if not isinstance(case["k"], int) or case["k"] < 1:
+        raise ValueError(f"dispatch case {case['name']!r}: k={case['k']!r} must be a positive int")
+    tokens = case.get("tokens", TOKENS)
+    if not tokens or not all(isinstance(t, int) and t >= 1 for t in tokens):
+        raise ValueError(f"dispatch case {case['name']!r}: tokens={tokens!r} must be positive ints")
+    return dict(case, seed=int(case.get("seed", 0)), tokens=list(tokens))
+
+
+def tokens_on(rank: int, case: dict | None = None) -> int:
+    """Rank's token count: the case's ``tokens`` (default 5, 7, 4, 9, ...), cycled over the ranks."""
+    tokens = (case or {}).get("tokens", TOKENS)
+    return tokens[rank % len(tokens)]
 
 
 def experts_for(num_experts: int, dtype) -> nn.ModuleList:
@@ -59,13 +90,16 @@ def experts_for(num_experts: int, dtype) -> nn.ModuleList:
     return experts.to(dtype)
 
 
-def routing(case: str, world_size: int, num_experts: int, step: int) -> list[tuple]:
+def routing(case, world_size: int, num_experts: int, step: int) -> list[tuple]:
     """Every rank's (x, expert_index, gates, upstream gradient), the same on every rank that builds them."""
-    k, dtype, kind = CASES[case]
-    gen = torch.Generator().manual_seed(100 * step + world_size)
+    case = resolve_case(case)
+    k, dtype, kind = case["k"], DTYPES[case["dtype"]], case["routing"]
+    if k > num_experts:
+        raise ValueError(f"dispatch case {case['name']!r}: k={k} choices among {num_experts} experts")
+    gen = torch.Generator().manual_seed(100 * step + world_size + 1000 * case["seed"])
     out = []
     for r in range(world_size):
-        t = tokens_on(r)
+        t = tokens_on(r, case)
         x, w = torch.randn(t, N_EMBD, generator=gen), torch.randn(t, N_EMBD, generator=gen)
         scores = torch.rand(t, num_experts, generator=gen)
         if kind == "empty":
@@ -127,7 +161,7 @@ def expected_bytes(record_step: dict, num_experts: int, n_embd: int = N_EMBD) ->
     return payload + 8 * num_experts, payload
 
 
-def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2, device=None,
+def probe(impl, case, rank: int, world_size: int, group, steps: int = 2, device=None,
           thread_calls: list | None = None) -> dict:
     """One case on this rank: {"error", "steps": [per step: diffs, bounds, rows per local expert, wanted rows,
     collectives], ...}. The student's exceptions are recorded, not raised (the other ranks then stop waiting).
@@ -135,15 +169,19 @@ def probe(impl, case: str, rank: int, world_size: int, group, steps: int = 2, de
     float64 reference stays on the CPU. ``thread_calls``: on thread ranks, this rank's list that the rehearsal's
     collectives append (name, bytes) to (``group_rehearsal.fakes(..., log)``); on real ranks None, and
     ``lablib.measure.counting`` counts them where the code calls them."""
-    k, dtype, _ = CASES[case]
+    case = resolve_case(case)
+    k, dtype = case["k"], DTYPES[case["dtype"]]
     num_experts = EXPERTS_PER_RANK * world_size
+    if k > num_experts:                                  # the case's own error, raised before the student's code runs
+        raise ValueError(f"dispatch case {case['name']!r}: k={k} choices among {num_experts} experts "
+                         f"({EXPERTS_PER_RANK} per rank on {world_size} ranks)")
     mine = range(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
     reference = experts_for(num_experts, torch.float64)
     local = nn.ModuleList(copy.deepcopy(experts_for(num_experts, dtype)[e]) for e in mine).to(device or "cpu")
     u = UNIT_ROUNDOFF[dtype]
-    total_tokens = sum(tokens_on(r) for r in range(world_size))
+    total_tokens = sum(tokens_on(r, case) for r in range(world_size))
     rounding = gamma(N_EMBD + 4 * N_EMBD + total_tokens + k + 8, u)
-    record = {"case": case, "rank": rank, "world_size": world_size, "num_experts": num_experts, "error": None,
+    record = {"case": case["name"], "rank": rank, "world_size": world_size, "num_experts": num_experts, "error": None,
               "unrehearsed": False, "thread_counted": thread_calls is not None, "steps": []}
     log = counting.CollectiveLog()
     try:

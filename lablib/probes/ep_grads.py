@@ -15,8 +15,11 @@ values, dtypes and storage: each ``.grad`` is updated where it is (the tensor an
 unchanged, a parameter with no gradient (frozen, or unused) left alone. On real ranks the all-reduces are counted with
 their groups' ranks (``lablib.measure.counting``): an expert's gradient must be reduced over its dp group only.
 
-Cases (``CASES``): fp32; float64; a frozen expert parameter (requires_grad False, grad None); an unused dense
-parameter (requires_grad True, grad None on every rank: the loss never reached it). Tolerance: a sum of at most W
+Visible cases (``CASES``): fp32; a frozen expert parameter (requires_grad False, grad None). A case is a dict: dtype,
+``no_grad`` (None, or [kind, index, requires_grad] of the parameter whose .grad is None on every rank: frozen when
+requires_grad is False, unused by the loss when it is True) and an optional ``seed`` for the gradients. The graded
+cases beyond these (float64, an unused parameter, other seeds) are drawn by the instructor's hidden tests and handed
+to the same functions as dicts (``resolve_case``); none of them is listed here. Tolerance: a sum of at most W
 terms in any order, and a division: gamma_{W+1} u times the sum of the terms' magnitudes.
 """
 
@@ -30,10 +33,27 @@ from lablib.measure.rankcheck import gamma
 from lablib.probes.ep_dispatch import unrehearsed
 
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
-CASES = {"fp32": torch.float32, "float64": torch.float64, "frozen": torch.float32, "unused": torch.float32}
-# case -> (kind, index, requires_grad) of the parameter whose .grad is None on every rank
-NO_GRAD = {"frozen": ("expert", 1, False), "unused": ("dense", 1, True)}
+CASES = {"fp32": dict(dtype="float32", no_grad=None), "frozen": dict(dtype="float32", no_grad=["expert", 1, False])}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 SHAPES = {"dense": [(6, 4), (4,)], "expert": [(5, 3), (3,)]}
+
+
+def resolve_case(case) -> dict:
+    """A case by name (``CASES``) or a dict with ``name``, ``dtype``, ``no_grad`` and optionally ``seed``: checked."""
+    if isinstance(case, str):
+        if case not in CASES:
+            raise ValueError(f"unknown ep_dp case {case!r}; named cases: {sorted(CASES)} (others are passed as dicts)")
+        case = dict(CASES[case], name=case)
+    if not isinstance(case, dict) or {"name", "dtype", "no_grad"} - set(case) or set(case) - {"name", "dtype",
+                                                                                                "no_grad", "seed"}:
+        raise ValueError(f"an ep_dp case is a name or a dict with keys name, dtype, no_grad (and seed); got {case!r}")
+    no_grad = case["no_grad"]
+    if case["dtype"] not in DTYPES or not (no_grad is None or (
+            len(no_grad) == 3 and no_grad[0] in SHAPES and no_grad[1] in range(len(SHAPES[no_grad[0]])))):
+        raise ValueError(f"ep_dp case {case['name']!r}: dtype must be one of {sorted(DTYPES)}, no_grad None or "
+                         f"[kind in {sorted(SHAPES)}, index, requires_grad]")
+    return dict(case, seed=int(case.get("seed", 0)), no_grad=None if no_grad is None else
+                [no_grad[0], int(no_grad[1]), bool(no_grad[2])])
 
 
 def parse_mesh(spec: str) -> tuple[int, int]:
@@ -47,25 +67,27 @@ def mesh_groups(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     return ([[d * ep + e for d in range(dp)] for e in range(ep)], [[d * ep + e for e in range(ep)] for d in range(dp)])
 
 
-def _grads(case: str, rank: int, kind: str) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(31 * rank + (0 if kind == "dense" else 1))
-    return [torch.randn(shape, generator=gen).to(CASES[case]) for shape in SHAPES[kind]]
+def _grads(case: dict, rank: int, kind: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(31 * rank + (0 if kind == "dense" else 1) + 1000 * case["seed"])
+    return [torch.randn(shape, generator=gen).to(DTYPES[case["dtype"]]) for shape in SHAPES[kind]]
 
 
-def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group, device=None) -> dict:
+def probe(impl, case, rank: int, dp: int, ep: int, dp_group, world_group, device=None) -> dict:
     """``device``: where the parameters and gradients live (the rank's GPU under nccl)."""
     world = dp * ep
     device = device or torch.device("cpu")
-    dtype = CASES[case]
-    record = {"case": case, "rank": rank, "mesh": f"{dp}x{ep}", "error": None, "unrehearsed": False}
+    case = resolve_case(case)
+    dtype, no_grad = DTYPES[case["dtype"]], case["no_grad"]
+    record = {"case": case["name"], "rank": rank, "mesh": f"{dp}x{ep}", "error": None, "unrehearsed": False,
+              "no_grad": no_grad}
     try:
         params = {kind: [torch.nn.Parameter(torch.full(s, float(i + 1), dtype=dtype, device=device))
                          for i, s in enumerate(SHAPES[kind])] for kind in SHAPES}
         for kind in SHAPES:
             for p, g in zip(params[kind], _grads(case, rank, kind)):
                 p.grad = g.to(device)
-        if case in NO_GRAD:
-            kind, i, trainable = NO_GRAD[case]
+        if no_grad:
+            kind, i, trainable = no_grad
             params[kind][i].requires_grad_(trainable)
             params[kind][i].grad = None
         held = {kind: [p.grad for p in params[kind]] for kind in SHAPES}
@@ -77,7 +99,7 @@ def probe(impl, case: str, rank: int, dp: int, ep: int, dp_group, world_group, d
             terms = [_grads(case, r, kind) for r in ranks]
             for i, p in enumerate(params[kind]):
                 name = f"{kind}[{i}]"
-                if NO_GRAD.get(case, (None, None))[:2] == (kind, i):
+                if no_grad and (no_grad[0], no_grad[1]) == (kind, i):
                     diffs[name] = 0.0 if p.grad is None else float("inf")
                     bounds[name] = 0.0
                     continue
@@ -107,7 +129,7 @@ def check(record: dict, real_ranks: bool = True) -> None:
         hint = ("dense: summed over all W ranks, divided by W" if name.startswith("dense") else
                 "expert: summed over its data-parallel group only (the ranks holding the same experts), divided by "
                 "W = dp x ep (not by dp: each local gradient already sums ep ranks' tokens)")
-        no_grad = NO_GRAD.get(record["case"])
+        no_grad = record.get("no_grad")
         if no_grad and name == f"{no_grad[0]}[{no_grad[1]}]":
             hint = "a parameter whose .grad is None (frozen, or never reached by the loss) keeps grad None"
         checks.check_true(diff <= record["bounds"][name], f"{name}.grad ({where}): max difference "

@@ -4,12 +4,16 @@ real ranks, and the idle time of the contiguous and zigzag splits measured.
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.context_parallel --exercise ring_forward \\
         --impl cp_ring_impl.py --cases causal,shuffled --out out.json
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.context_parallel --exercise idle \\
-        --impl cp_split_impl.py --seq_len 1024 --out out.json
+        --impl cp_split_impl.py --seq_len 1024 --flex_seq_len 512 --gather_rounds 4 --out out.json
 
 Checking (``ring_forward``, ``ring_backward``, ``ulysses``): every rank runs lablib.probes.cp_ring's (or cp_ulysses')
 probe on each case and rank 0 gathers the records, [case][rank]. ``idle``: one causal ring pass per split
 (lablib.measure.cp_idle), the contiguous split and the zigzag split of the students' ``zigzag_positions``
-(``impl``), after a barrier; each rank's compute seconds, span and pairs per step, gathered.
+(``impl``), after a barrier; each rank's compute seconds, span and pairs per step, gathered. With ``flex_seq_len``
+> 0 the same start then runs torch's own FlexAttention context parallelism (K/V all-gathered) on the CPU ranks and
+compares it with one process (``lablib.measure.cp_torch``), uncompiled block mask unless ``flex_compile``; with
+``gather_rounds`` > 0, before that, rounds of the ring, the gathered-K/V variant (cp_idle.timed_gather) and the ring
+again: span, bytes sent and largest K/V held per rank.
 
 The tensors live on the CPU and travel through gloo on every machine (on GPUs the default group is NCCL, and a
 gloo group is made next to it, as lab 02 does): gloo's send/recv take CPU tensors only, and one backend keeps the
@@ -18,14 +22,13 @@ counts and times comparable; the check sizes are far too small for a GPU to matt
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from lablib.course.cp_model import contiguous_positions
 from lablib.jobs import exercise, script
-from lablib.measure import cp_idle
+from lablib.measure import cp_idle, cp_torch
 from lablib.measure.p2p import CountingComm
 from lablib.measure.rankcheck import gather_objects
 from lablib.probes import cp_ring, cp_ulysses
@@ -45,12 +48,12 @@ class Config:
     head_dim: int = 32
     repeats: int = 2                   # idle: how often each score block is computed (longer steps)
     seed: int = 0
+    flex_seq_len: int = 0              # idle: then torch's FlexAttention context parallelism at this T (0: not run)
+    flex_compile: bool = False         # build its block mask with torch.compile, as torch does (gcc, slow on a CPU)
+    gather_rounds: int = 0             # idle: then rounds of ring, gathered K/V, ring again (0: not run)
 
     def extra_cases(self) -> list[dict]:
-        cases = json.loads(self.cases_json) if self.cases_json else []
-        if not isinstance(cases, list) or not all(isinstance(c, dict) and "name" in c for c in cases):
-            raise ValueError(f"cases_json={self.cases_json!r} must be a JSON list of case dicts, each with a 'name'")
-        return cases
+        return script.case_dicts(self.cases_json)
 
     def validate(self) -> None:
         if self.exercise not in EXERCISES:
@@ -65,6 +68,10 @@ class Config:
         if self.exercise != "idle" and threads_only:
             raise ValueError(f"cases_json: {threads_only} cut the world into groups and run on thread ranks only "
                              f"(cp_ulysses.rehearse_ulysses); leave them out here")
+        if self.flex_seq_len < 0 or (self.flex_seq_len and self.exercise != "idle"):
+            raise ValueError(f"flex_seq_len={self.flex_seq_len} must be 0 or positive, and runs with exercise 'idle'")
+        if self.gather_rounds < 0 or (self.gather_rounds and self.exercise != "idle"):
+            raise ValueError(f"gather_rounds={self.gather_rounds} must be 0 or positive, and runs with exercise 'idle'")
         if min(self.seq_len, self.n_head, self.head_dim, self.repeats) < 1:
             raise ValueError("seq_len, n_head, head_dim and repeats must be at least 1")
 
@@ -82,7 +89,13 @@ def run(env, config: Config) -> dict:
             dist.barrier(group=group)
             rows = cp_idle.timed_ring(comm, positions, 1, config.n_head, config.head_dim, config.repeats, config.seed)
             result[name] = gather_objects(rows, env, group)
-        return {"idle": result}
+        out = {"idle": result}
+        if config.gather_rounds:
+            out["gather_vs_ring"] = gather_vs_ring(env, comm, group, config)
+        if config.flex_seq_len:
+            out["flex"] = cp_torch.flex_cp_compare(env, group, config.flex_seq_len, config.n_head, config.head_dim,
+                                                   config.flex_compile, config.seed)
+        return out
     cases = list(config.cases) + config.extra_cases()
     if not cases:
         cases = list(cp_ulysses.CASES if config.exercise == "ulysses" else cp_ring.CASES)[:1]
@@ -96,6 +109,26 @@ def run(env, config: Config) -> dict:
         records[record["case"]] = gather_objects(record, env, group)
         script.progress(env, i + 1, len(cases))
     return {"records": records}
+
+
+def gather_vs_ring(env, comm, group, config: Config) -> list[dict]:
+    """``gather_rounds`` rounds of: the ring, the gathered-K/V variant, the ring again (its difference from the first
+    ring is the noise floor), each after a barrier, on the contiguous split; per round and rank the span, the bytes
+    sent and the largest K/V held, gathered to rank 0."""
+    positions = contiguous_positions(config.seq_len, env.world_size)
+    args = (positions, 1, config.n_head, config.head_dim, config.repeats, config.seed)
+    rounds = []
+    for _ in range(config.gather_rounds):
+        row = {}
+        for name in ("ring", "gather", "ring_again"):
+            dist.barrier(group=group)
+            comm.reset()
+            got = cp_idle.timed_gather(group, *args) if name == "gather" else cp_idle.timed_ring(comm, *args)
+            if name != "gather":
+                got["bytes_sent"] = comm.counts()["bytes_sent"]
+            row[name] = {key: got[key] for key in ("span_s", "bytes_sent", "largest_kv_bytes")}
+        rounds.append(gather_objects(row, env, group))
+    return rounds
 
 
 def main() -> None:

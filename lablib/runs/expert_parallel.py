@@ -2,9 +2,10 @@
 on a dp x ep mesh (exercise 4).
 
     torchrun --standalone --nproc-per-node 2 -m lablib.runs.expert_parallel --impl ep_dispatch_impl.py \\
-        --exercise dispatch --cases uneven,empty,one,top2,float64 --out out.json
+        --exercise dispatch --cases uneven,empty,one \\
+        --cases_json '[{"name": "top2", "k": 2, "dtype": "float64", "routing": "random", "seed": 5}]' --out out.json
     torchrun --standalone --nproc-per-node 4 -m lablib.runs.expert_parallel --impl ep_dp_impl.py \\
-        --exercise ep_dp --mesh 2x2 --cases fp32,float64,frozen --out out.json
+        --exercise ep_dp --mesh 2x2 --cases fp32,frozen --out out.json
 
 What each rank does and records is ``lablib.probes.ep_dispatch`` / ``lablib.probes.ep_grads``; every rank's
 records are gathered on rank 0 (``records``: one per case and rank). Collectives are counted where the student's
@@ -28,6 +29,7 @@ class Config:
     impl: str = "ep_dispatch_impl.py"   # the module file the notebook's exercise cell writes
     exercise: str = "dispatch"          # dispatch or ep_dp
     cases: tuple[str, ...] = ()         # ep_dispatch.CASES or ep_grads.CASES; () = the first
+    cases_json: str = ""                # more cases, a JSON list of case dicts with a "name" (the hidden tests' draws)
     mesh: str = "2x2"                   # ep_dp: data-parallel x expert-parallel degrees
     steps: int = 2                      # dispatch: steps compared with the single process
 
@@ -37,7 +39,11 @@ class Config:
             raise ValueError(f"exercise={self.exercise!r} must be 'dispatch' or 'ep_dp'")
         unknown = [c for c in self.cases if c not in known[self.exercise]]
         if unknown:
-            raise ValueError(f"cases={self.cases}: unknown {unknown}; known: {sorted(known[self.exercise])}")
+            raise ValueError(f"cases={self.cases}: unknown {unknown}; known: {sorted(known[self.exercise])} (others "
+                             f"go in cases_json)")
+        resolve = ep_dispatch.resolve_case if self.exercise == "dispatch" else ep_grads.resolve_case
+        for case in self.extra_cases():
+            resolve(case)
         try:
             dp, ep = ep_grads.parse_mesh(self.mesh)
         except ValueError:
@@ -47,8 +53,12 @@ class Config:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be at least 1")
 
-    def checked_cases(self) -> tuple[str, ...]:
-        return self.cases or (("uneven",) if self.exercise == "dispatch" else ("fp32",))
+    def extra_cases(self) -> list[dict]:
+        return script.case_dicts(self.cases_json)
+
+    def checked_cases(self) -> list:
+        cases = list(self.cases) + self.extra_cases()
+        return cases or [("uneven" if self.exercise == "dispatch" else "fp32")]
 
     def validate_world(self, world_size: int) -> None:
         if self.exercise == "ep_dp":
