@@ -36,9 +36,11 @@ c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedE
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 # Feedback goes back to students: it shows each graded cell's outputs and points, never the hidden tests' source
 # (nbgrader's default feedback renders the autograded notebook, hidden regions included; ClearHiddenTests removes them
-# after the grades are read).
+# after the grades are read, and instructor.feedback.ShortTracebacks keeps of a failing test cell's traceback only the
+# check's message, since a traceback quotes the hidden lines around the failure).
 c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.GetGrades",
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
     "nbgrader.preprocessors.ClearHiddenTests",
+    "instructor.feedback.ShortTracebacks",
 ]

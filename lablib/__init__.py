@@ -30,6 +30,7 @@ Read it like a table of contents. Six folders, one job each, and two modules of 
 - ``lablib.measure.p2p``       point-to-point sends and receives that count their bytes (lab 02)
 - ``lablib.measure.ddp_timeline`` lab 06's per-rank step timeline (CPU clocks on gloo, a profiler trace on GPUs)
 - ``lablib.measure.cp_idle`` lab 12's idle time of the contiguous and zigzag splits, measured on a ring
+- ``lablib.measure.cp_torch`` lab 12's run of torch's own FlexAttention context parallelism against one process
 - ``lablib.measure.pipeline_costs`` a measured pipeline step as stage times, latency and gap; played again with them
 
 ``lablib.course``: the course's models, data and formulas (no parallelism inside)

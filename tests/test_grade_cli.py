@@ -95,8 +95,9 @@ def test_grade_a_zip_export(tmp_path):
     assert float(rows["alice"]["manual_max_pending"]) > 0, "free-text answers are left for manual grading"
     feedback = (out / "feedback" / "alice" / LAB / f"{LAB}.html").read_text()
     # Feedback goes back to the student: no hidden test's source in it (only outputs and points).
+    released = {labkit.code_key(line) for cell in labkit.read(LAB, released=True).cells for line in cell.source.splitlines()}
     hidden = [line.strip() for cell in labkit.read(LAB).cells for region in labkit.HIDDEN_REGION.findall(cell.source)
-              for line in region.splitlines() if labkit.substantial(line)]
-    assert hidden and "BEGIN HIDDEN TESTS" not in feedback
+              for line in region.splitlines() if labkit.substantial(line) and labkit.code_key(line) not in released]
+    assert hidden and "BEGIN HIDDEN TESTS" not in feedback       # nor in a traceback (instructor.feedback)
     assert not [line for line in hidden if html.escape(line) in feedback or line in feedback], "hidden tests in feedback"
     assert not kernels_under(tmp_path), "a grading kernel survived"
