@@ -257,6 +257,15 @@ def test_mixed_precision_checks_reject_fp32_on_the_wire_a_16_bit_master_and_unca
                            held_per_rank=[{"params": 12_740, "grads": 4 * (3185 - 528),
                                            "optimizer": 8 * (3185 - 528) + 4 * 6}] * 2)
     zero3_probes.check(frozen)
+    # a frozen second unit after a trained first one: its backward runs, so it is gathered twice, never reduced
+    middle = dict(unit_trainable=[True, False] + [True] * 5, unit_backward=[True] * 7,
+                  held_per_rank=[{"params": 12_740, "grads": 4 * (3185 - 528),
+                                  "optimizer": 8 * (3185 - 528) + 4 * 6}] * 2)
+    zero3_probes.check(_mixed_result(**middle, collectives_per_step=[{"all_gather": 2 * 2 * 2 * 3185,
+                                                                      "reduce_scatter": 4 * 2 * (3185 - 528)}] * 4))
+    with pytest.raises(AssertionError, match="collectives your class called"):   # counted as gathered once
+        zero3_probes.check(_mixed_result(**middle, collectives_per_step=[{"all_gather": 2 * 2 * (3185 + 3185 - 528),
+                                                                          "reduce_scatter": 4 * 2 * (3185 - 528)}] * 4))
 
 
 def test_mixed_bound_covers_a_16_bit_sum_and_parse_case_names_the_cases():

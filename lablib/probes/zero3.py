@@ -112,12 +112,16 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
     # S = ceil(numel / N) per unit (the blocks, then the root's parameters): what a rank holds at rest
     unit_numels = [b // elem for b in block_bytes] + ([root_bytes // elem] if root_bytes > 0 else [])
     trainable = [any(p.requires_grad for p in b.parameters()) for b in blocks] + ([True] if root_bytes > 0 else [])
+    # A unit's backward runs (and needs it gathered again) when it is trained or a trained block runs before it
+    # (autograd passes the gradient through it to that block's input): a frozen block after a trained one too.
+    backward = [any(trainable[:i + 1]) for i in range(len(blocks))] + ([True] if root_bytes > 0 else [])
     out = {"case": name, "world_size": world_size, "steps": steps, "error": None, "n_params": n_params,
            "element_size": elem, "micro_batches": n_micro, "mixed": mixed,
            "param_dtype": str(compute_dtype), "reduce_dtype": str(summed_dtype),
            "param_element_size": torch.finfo(compute_dtype).bits // 8,
            "reduce_element_size": torch.finfo(summed_dtype).bits // 8,
            "unit_shard_numels": [-(-u // world_size) for u in unit_numels], "unit_trainable": trainable,
+           "unit_backward": backward,
            "n_units": len(unit_numels), "block_bytes": block_bytes, "root_bytes": root_bytes,
            "expected_shard_numel": sum(-(-u // world_size) for u in unit_numels), "collectives_per_step": []}
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -299,15 +303,20 @@ def check(r: dict) -> None:
     trainable = r.get("unit_trainable", [True] * r["n_units"])         # a frozen unit: False
     trained = (sum(s for s, t in zip(r["unit_shard_numels"], trainable) if t) if "unit_shard_numels" in r
                else shard)                                             # the shards that get a gradient
+    backward = r.get("unit_backward", trainable)
+    twice = (sum(s for s, b in zip(r["unit_shard_numels"], backward) if b) if "unit_shard_numels" in r
+             else trained)                                             # the shards gathered again for a backward
     pe, re_ = r.get("param_element_size", elem), r.get("reduce_element_size", elem)
     # The collectives, per step: every unit padded to N S_u elements, all-gathered (param_dtype) before its forward
     # and again before its backward, its gradient reduce-scattered (reduce_dtype) once; m times with m
-    # micro-batches. A frozen unit has no backward: one all-gather, no reduce-scatter.
-    expected = {"all_gather": m * n * pe * (shard + trained), "reduce_scatter": m * n * re_ * trained}
+    # micro-batches. A frozen unit before every trained one has no backward: one all-gather, no reduce-scatter; a
+    # frozen unit after a trained one is gathered for its backward too (its input's gradient), not reduce-scattered.
+    expected = {"all_gather": m * n * pe * (shard + twice), "reduce_scatter": m * n * re_ * trained}
     check_collectives(where, r["collectives_per_step"], expected,
                       f"expected per forward-backward ({m} per step) two all-gathers ({pe}-byte elements) and one "
                       f"reduce-scatter ({re_}-byte elements) of every trained unit's padded flat buffer, one "
-                      f"all-gather of a frozen one ({r['n_units']} units, {n * shard} elements in all), and "
+                      f"all-gather of a frozen one before every trained one, two of a frozen one after a trained "
+                      f"one ({r['n_units']} units, {n * shard} elements in all), and "
                       f"nothing else", hint="gather: dist.all_gather_into_tensor into the unit's full buffer (N "
                       "broadcasts are no all-gather), of the shard cast to param_dtype; the gradients: "
                       "dist.reduce_scatter_tensor in reduce_dtype (an all-reduce sends twice the bytes)")

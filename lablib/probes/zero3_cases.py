@@ -15,7 +15,7 @@ from lablib.course.models import GPT, GPTConfig
 from lablib.probes.zero_cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build
 
 GPT_CASE = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)   # 28,576 parameters; padding at N = 3
-CASES = ("mlp", "uneven", "gpt", "float64", "accum", "frozen")   # "gpt": the course GPT; the others: zero_cases.CASES
+CASES = ("mlp", "uneven", "gpt", "float64", "accum", "frozen", "frozen_middle")   # "gpt": the course GPT; the others: zero_cases.CASES
 # Mixed precision: "case@param" or "case@param/reduce" (e.g. "mlp@bf16", "gpt@fp16/fp32"): ZeRO3 is built with
 # param_dtype (and reduce_dtype; FSDP2's default: param_dtype) over the case's fp32 parameters.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -41,7 +41,8 @@ class Case:
     late_head: int = -1       # >= 0: the head joins through add_param_group before this step
     dtype: str = "float32"    # the model's dtype, so the flat buffers' and the shards'
     micro_batches: int = 1    # backwards per optimizer step (gradient accumulation), each on a part of the batch
-    frozen: bool = False      # the first layer does not require gradients (not trained, not sharded)
+    frozen: tuple[int, ...] = ()   # layers that do not require gradients (not trained): (0,) the first, (1,) one
+                                   # after a trained layer, whose backward still runs (its input's gradient)
     steps: int = 10           # optimizer steps (at most): the hidden cases' properties show in 3
 
 
@@ -51,7 +52,8 @@ CASES = {
     "groups": Case(16, (48, 48, 48, 48), groups=True, late_head=3),
     "float64": Case(12, (24, 5, 24), dtype="float64", steps=3),           # 606 parameters of 8 bytes: padding at N = 4
     "accum": Case(16, (24, 7, 24), micro_batches=2, steps=3),             # 800 parameters, two micro-batches per step
-    "frozen": Case(16, (24, 9, 24), frozen=True, steps=3),                # 408 frozen, 490 trained
+    "frozen": Case(16, (24, 9, 24), frozen=(0,), steps=3),                # 408 frozen, 490 trained
+    "frozen_middle": Case(16, (24, 9, 24), frozen=(1,), steps=3),         # 225 frozen after 408 trained
 }
 LR, WEIGHT_DECAY = 1e-2, 0.1
 LATE_GROUP = {"lr": LR / 2, "weight_decay": 0.05}
@@ -66,8 +68,8 @@ def build(case: Case, seed: int) -> Stack:
     with _SEEDED:
         torch.manual_seed(seed)
         model = Stack(case.d_in, case.widths).to(dtype_of(case))
-    if case.frozen:
-        model.layers[0].requires_grad_(False)
+    for i in case.frozen:
+        model.layers[i].requires_grad_(False)
     return model
 
 

@@ -59,7 +59,7 @@ class Config:
     variants: tuple[str, ...] = VARIANTS
     steps: int = 4                      # AdamW steps per variant; bytes and collectives from the last one
     warmup: int = 1                     # steps left out of the step time
-    rounds: int = 4                     # paired timing of the two ZeRO-1s: rounds of turns, 3 steps each
+    rounds: int = 6                     # paired timing of the two ZeRO-1s and a self pair: rounds of turns, 3 steps each
     timeline: bool = True               # one more step per variant, memory sampled at every module boundary
 
     def validate(self) -> None:
@@ -167,25 +167,32 @@ def one_step(s: "_Stepper", env, x, y) -> torch.Tensor:
 
 
 def paired_step_times(env, config: Config, steps) -> dict:
-    """Your ShardedOptimizer and ZeroRedundancyOptimizer taking turns, 3 steps each per round, the first of the
-    two alternating by round; per round the ratio of the two medians (each step the slowest rank's), then the
-    median of the ratios: a burst of load from another program slows both sides of a round alike."""
-    pair = {v: _Stepper(env, config, v) for v in ("zero1_yours", "zero1_torch")}
-    for s in pair.values():                    # warm-up: the first step builds buckets and optimizer state
+    """Your ShardedOptimizer, ZeroRedundancyOptimizer and a second ShardedOptimizer (the noise floor: a strategy
+    timed against itself) taking turns, 3 steps each per round, the order rotating by round; per round the ratios of
+    the medians (each step the slowest rank's), then the median of each ratio over the rounds and its range: a burst
+    of load from another program slows all of a round alike, and the self ratio shows how far apart two identical
+    sides land anyway."""
+    trio = {"zero1_yours": _Stepper(env, config, "zero1_yours"), "zero1_torch": _Stepper(env, config, "zero1_torch"),
+            "zero1_yours_again": _Stepper(env, config, "zero1_yours")}
+    for s in trio.values():                    # warm-up: the first step builds buckets and optimizer state
         one_step(s, env, *steps[0])
     rounds = []
+    names = list(trio)
     for r in range(config.rounds):
-        order = list(pair) if r % 2 == 0 else list(pair)[::-1]
+        order = names[r % 3:] + names[:r % 3]  # each goes first, second and third in turn
         times = {}
         for v in order:
             per_step = []
             for x, y in steps[:3]:
                 timing.barrier(env.device)
                 with timing.stopwatch(per_step, env.device):
-                    one_step(pair[v], env, x, y)
+                    one_step(trio[v], env, x, y)
             times[v] = timing.median(timing.slowest_rank(per_step, env.device))
-        rounds.append({**times, "ratio": times["zero1_yours"] / times["zero1_torch"]})
-    return {"rounds": rounds, "median_ratio": timing.median([r["ratio"] for r in rounds])}
+        rounds.append({**times, "ratio": times["zero1_yours"] / times["zero1_torch"],
+                       "self_ratio": times["zero1_yours"] / times["zero1_yours_again"]})
+    ratios, selfs = [r["ratio"] for r in rounds], [r["self_ratio"] for r in rounds]
+    return {"rounds": rounds, "median_ratio": timing.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "median_self_ratio": timing.median(selfs), "self_ratio_range": [min(selfs), max(selfs)]}
 
 
 def train_variant(env, config: Config, variant: str, steps) -> dict:

@@ -55,6 +55,10 @@ WRONG_ANSWERS["zero3"] = [
                   "            dist.broadcast(piece, src=r)\n"))),
     ("a padding element leaks into the update: shard r starts at r * (numel // N), not r * S", _changed(
         "zero3", ("        start = rank * self.shard_numel\n", "        start = rank * (numel // world_size)\n"))),
+    ("a frozen unit freed only by a reduce-scatter: a frozen block after a trained one, gathered again for its "
+     "backward, stays gathered (fails the hidden frozen-middle case)", _changed(
+        "zero3", ("                unit.module.register_full_backward_hook(lambda module, grad_in, grad_out, u=unit: "
+                  "self.free(u))\n", "                pass\n"))),
     # Mixed precision (section 4b, test_zero3_mixed): exercise 3's own check passes (fp32 defaults), so each costs
     # exercise 3's torchrun start before test_zero3_mixed's rehearsal fails it.
     ("mixed precision: casts after the all-gather (fp32 shards on the wire, the full buffer filled from an fp32 copy)",
