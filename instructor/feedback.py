@@ -9,9 +9,13 @@ ones included. ``ShortTracebacks`` keeps of every graded cell's error only its l
 from __future__ import annotations
 
 from nbconvert.preprocessors import Preprocessor
+from traitlets import Bool
 
 
 class ShortTracebacks(Preprocessor):
+    # nbconvert's preprocessors start disabled (nbgrader's own start enabled): this one runs whenever it is listed
+    enabled = Bool(True).tag(config=True)
+
     def preprocess_cell(self, cell, resources, index):
         if cell.cell_type == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("grade"):
             for output in cell.get("outputs", []):
