@@ -29,7 +29,7 @@ def test_it_holds_the_labs_and_what_runs_them_and_nothing_else(built):
     assert top == sorted([".gitignore", "README.md", "environment.yml", "lablib", "labs", "launchers",
                           "pyproject.toml", "requirements.txt", "requirements-deepspeed.txt"])
     assert sorted(p.name for p in (built / "labs").iterdir()) == labkit.labs()
-    assert sorted(p.name for p in (built / "launchers").iterdir()) == ["_setup.sh", "deepspeed", "lab", "multinode",
+    assert sorted(p.name for p in (built / "launchers").iterdir()) == ["_setup.sh", "deepspeed", "gpu-check", "lab", "multinode",
                                                                                 "slurm.sbatch"]
     assert "launchers/lab" in (built / "README.md").read_text()
     assert student_repo.audit(built) == []
