@@ -296,34 +296,9 @@ CORRECT_VARIANTS["ep_dp"].append(
                                     "from torch.distributed import ReduceOp, all_reduce, get_world_size\n")
      .replace("dist.get_world_size(", "get_world_size(").replace("dist.all_reduce(", "all_reduce(")
      .replace("dist.ReduceOp", "ReduceOp")))
-CORRECT_VARIANTS["ep_dispatch"].append(
-    ("(red team) no sort: each expert's assignments found by nonzero, the results split per source and expert",
-     _body_replaced("ep_dispatch", "expert_parallel_moe", '''
-    world = dist.get_world_size(group)
-    per_rank = num_experts // world
-    T, k = expert_index.shape
-    flat_expert = expert_index.reshape(-1)
-    flat_token = torch.arange(T, device=x.device).repeat_interleave(k)
-    flat_gate = gates.reshape(-1)
-    sel = torch.cat([(flat_expert == e).nonzero(as_tuple=True)[0] for e in range(num_experts)])
-    sel_expert, sel_token = flat_expert[sel], flat_token[sel]
-    send_counts = torch.bincount(sel_expert, minlength=num_experts).to(torch.int64)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    recv_matrix = recv_counts.view(world, per_rank)            # [source rank, local expert]
-    send_splits = send_counts.view(world, per_rank).sum(1).tolist()
-    recv_splits = recv_matrix.sum(1).tolist()
-    received = AllToAll.apply(x[sel_token], send_splits, recv_splits, group)
-    pieces = list(received.split(recv_matrix.reshape(-1).tolist()))
-    results = [None] * len(pieces)
-    for e, expert in enumerate(local_experts):
-        idx = [s * per_rank + e for s in range(world)]
-        out = expert(torch.cat([pieces[i] for i in idx]))
-        for i, part in zip(idx, out.split([pieces[i].shape[0] for i in idx])):
-            results[i] = part
-    back = AllToAll.apply(torch.cat(results), recv_splits, send_splits, group)
-    weighted = back * flat_gate[sel].unsqueeze(-1)
-    return torch.zeros_like(x).index_add(0, sel_token, weighted.to(x.dtype))''')))
+# The red team's "no sort" dispatch (assignments found per expert by nonzero) is no longer held as a correct
+# variant: on a rank whose every assignment is dropped it raises ("element 0 of tensors does not require grad"),
+# and the hidden cases drawn at grading time reach such a rank in about one draw in four (3 of 12 seeds).
 CORRECT_VARIANTS["ep_dp"].append(
     ("(red team) each gradient scaled by 1/W first, then all-reduced in place", _changed("ep_dp", (
         "            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)\n"
