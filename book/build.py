@@ -169,6 +169,10 @@ def staged_notebook(lab: str, labs: list[str]) -> nbformat.NotebookNode:
                 tags.append("remove-cell")
                 cells += [cell, grader_line(cell, checks)]
                 continue
+            if cell.metadata.get("book", {}).get("fold_output"):
+                # a cell whose output shows a model answer (lab 05 prints the diff of the answer against the loop it
+                # replaces): the output is folded like the answer itself
+                tags.append("hide-output")
             if answer:
                 if grade_id(cell) in released:
                     cells.append(nbformat.v4.new_markdown_cell(
