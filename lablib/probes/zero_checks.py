@@ -50,18 +50,7 @@ def mean_gradient_and_bound(tap: GradientTap, world_size: int, micro_batches: in
     additions across ranks, one division. So each computation is within gamma_{N+m-1} sum|terms| / N of the exact
     mean (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1), and two of them within twice that;
     u is the dtype's unit roundoff. For m = 1 this is ``rankcheck.mean_rounding_bound``."""
-    totals, abs_sums = [], []
-    for grads in tap.grads:
-        total, abs_sum = grads[0].clone(), grads[0].abs()
-        for g in grads[1:]:
-            total += g                                   # AccumulateGrad's in-place sum
-            abs_sum += g.abs()
-        totals.append(total.flatten())
-        abs_sums.append(abs_sum.flatten())
-    flat, abs_sum = torch.cat(totals), torch.cat(abs_sums)
-    if world_size > 1:
-        dist.all_reduce(flat)
-        dist.all_reduce(abs_sum)
+    flat, abs_sum = _summed_over_ranks(tap, world_size, lambda g: g)
     unit_roundoff = torch.finfo(dtype).eps / 2
     return flat.div_(world_size), 2 * gamma(world_size + micro_batches - 1, unit_roundoff) * abs_sum / world_size
 
@@ -83,16 +72,7 @@ def mixed_mean_gradient_and_bound(tap: GradientTap, world_size: int, micro_batch
     in absolute terms (Higham, section 2.1: an addition whose result is subnormal is exact, a division is not), so
     the N + m roundings add at most (N + m) 2^-25 per element in fp16 (about 1e-45 in bf16, whose exponent is
     fp32's)."""
-    totals, abs_sums = [], []
-    for grads in tap.grads:
-        cast = [g.to(reduce_dtype).double() for g in grads]
-        total, abs_sum = sum(cast[1:], cast[0].clone()), sum((c.abs() for c in cast[1:]), cast[0].abs())
-        totals.append(total.flatten())
-        abs_sums.append(abs_sum.flatten())
-    flat, abs_sum = torch.cat(totals), torch.cat(abs_sums)
-    if world_size > 1:
-        dist.all_reduce(flat)
-        dist.all_reduce(abs_sum)
+    flat, abs_sum = _summed_over_ranks(tap, world_size, lambda g: g.to(reduce_dtype).double())
     unit_roundoff = max(torch.finfo(reduce_dtype).eps, torch.finfo(master_dtype).eps) / 2
     terms = world_size * micro_batches
     bound = (gamma(world_size + micro_batches, unit_roundoff) + gamma(terms, torch.finfo(torch.float64).eps / 2))
@@ -112,3 +92,22 @@ def check_gradient_then_update(r: dict, where: str, gradient_hint: str, update_h
     checks.check_equal(r["steps_not_bit_equal"], [], f"{where}: steps after which some parameter is not bit-for-bit "
                        f"equal to AdamW's stepped on your own mean gradient (of {r['steps']}; max |diff| "
                        f"{r['max_abs_diff_vs_adamw']:.3g})", hint=update_hint)
+
+
+def _summed_over_ranks(tap: GradientTap, world_size: int, term):
+    """(sum of term(g), sum of |term(g)|) over every rank's tapped micro-batch gradients, flat (numel,): the
+    micro-batches added in order (AccumulateGrad's in-place sum), then all-reduced over the ranks."""
+    totals, abs_sums = [], []
+    for grads in tap.grads:
+        terms = [term(g) for g in grads]
+        total, abs_sum = terms[0].clone(), terms[0].abs()
+        for t in terms[1:]:
+            total += t
+            abs_sum += t.abs()
+        totals.append(total.flatten())
+        abs_sums.append(abs_sum.flatten())
+    flat, abs_sum = torch.cat(totals), torch.cat(abs_sums)
+    if world_size > 1:
+        dist.all_reduce(flat)
+        dist.all_reduce(abs_sum)
+    return flat, abs_sum
