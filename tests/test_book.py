@@ -321,6 +321,17 @@ def test_every_hidden_test_cell_is_said_in_words():
             f"{lab}: a line of book/grader_checks.toml is too short to say anything"
 
 
+def test_no_hidden_test_line_is_also_a_model_answer_line():
+    """The book folds model answers but shows them, so a line of a hidden test that is also a line of a model answer
+    is on the page (tests/test_book.py::check_folds finds it only after every lab has run): caught here, statically."""
+    for lab in labkit.labs():
+        hidden, _ = protected_lines(lab)
+        answer = {line.strip() for cell in labkit.read(lab).cells if cell.cell_type == "code"
+                  for region in labkit.SOLUTION_REGION.findall(cell.source) for line in region.splitlines()}
+        shared = sorted(hidden & answer)
+        assert not shared, f"{lab}: hidden-test lines that the book shows as model-answer lines: {shared[:3]}; reword the test's"
+
+
 def test_seed_takes_an_execution_of_the_solution_as_written(tmp_path):
     """Executions are made from the solution itself (nbgrader's markers in its code); the book shows the code
     with the markers as comments, and must still recognise the execution as one of the same code."""
