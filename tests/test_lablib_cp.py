@@ -51,6 +51,8 @@ def test_ring_and_ulysses_bytes():
         ulysses = cp_model.ulysses_bytes_per_rank(1, 32, 4096, 128, n, 2)
         assert ring / ulysses == pytest.approx(n / 2, rel=1e-12)
     assert cp_model.ring_bytes_per_rank(1, 32, 4096, 128, 1, 2) == 0
+    with pytest.raises(ValueError, match="divisible by 3"):
+        cp_model.ulysses_bytes_per_rank(1, 32, 4096, 128, 3, 2)
 
 
 def test_shuffled_split_is_an_uneven_partition():

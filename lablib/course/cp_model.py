@@ -67,7 +67,10 @@ def ring_bytes_per_rank(batch: int, n_head: int, seq_len: int, head_dim: int, wo
 def ulysses_bytes_per_rank(batch: int, n_head: int, seq_len: int, head_dim: int, world_size: int,
                            element_size: int) -> float:
     """Forward: 4 all-to-alls (q, k, v to heads; the output back) of B H (T/N) D values each; a rank keeps 1/N
-    of each and sends (N - 1)/N of it."""
+    of each and sends (N - 1)/N of it. Ulysses gives each rank H/N whole heads, so N must divide H."""
+    if world_size < 1 or n_head % world_size:
+        raise ValueError(f"Ulysses over {world_size} ranks needs a head count divisible by {world_size}; got "
+                         f"n_head={n_head} (each rank computes n_head / world_size whole heads)")
     return 4 * (world_size - 1) / world_size * batch * n_head * seq_len / world_size * head_dim * element_size
 
 

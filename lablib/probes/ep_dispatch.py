@@ -41,11 +41,13 @@ from lablib.measure.rankcheck import gamma
 N_EMBD, EXPERTS_PER_RANK, LR = 8, 2, 0.1
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
 # The visible cases, by name: k (choices per token), dtype, routing ("random" with about one assignment in five
-# dropped; "empty": expert 1 never picked; "one": every token picks expert 0), seed (added to the routing's seed),
+# dropped; "empty": expert 1 never picked; "one": every token picks expert 0; "rank_dropped": as "random", but every
+# assignment of the last rank dropped, so that rank sends nothing), seed (added to the routing's seed),
 # tokens (per-rank token counts, cycled over the ranks)
 CASES = {"uneven": dict(k=1, dtype="float32", routing="random"), "empty": dict(k=1, dtype="float32", routing="empty"),
          "one": dict(k=1, dtype="float32", routing="one")}
 CASE_KEYS = {"k", "dtype", "routing"}
+ROUTINGS = ("random", "empty", "one", "rank_dropped")
 OPTIONAL_KEYS = {"seed", "tokens"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOKENS = (5, 7, 4, 9, 6, 3)                 # differ per rank; no world size divides their sum evenly
@@ -64,9 +66,9 @@ def resolve_case(case) -> dict:
     missing, unknown = sorted((CASE_KEYS | {"name"}) - set(case)), sorted(set(case) - CASE_KEYS - OPTIONAL_KEYS - {"name"})
     if missing or unknown:
         raise ValueError(f"dispatch case {case!r}: missing keys {missing}, unknown keys {unknown}")
-    if case["dtype"] not in DTYPES or case["routing"] not in ("random", "empty", "one"):
+    if case["dtype"] not in DTYPES or case["routing"] not in ROUTINGS:
         raise ValueError(f"dispatch case {case['name']!r}: dtype must be one of {sorted(DTYPES)} and routing "
-                         f"'random', 'empty' or 'one'")
+                         f"one of {ROUTINGS}")
     if not isinstance(case["k"], int) or case["k"] < 1:
         raise ValueError(f"dispatch case {case['name']!r}: k={case['k']!r} must be a positive int")
     tokens = case.get("tokens", TOKENS)
@@ -107,8 +109,10 @@ def routing(case, world_size: int, num_experts: int, step: int) -> list[tuple]:
         if kind == "one":
             scores[:, 0] = 2.0
         index = scores.topk(k, dim=-1).indices
-        if kind == "random":                                 # about one assignment in five dropped
+        if kind in ("random", "rank_dropped"):               # about one assignment in five dropped
             index = torch.where(torch.rand(t, k, generator=gen) < 0.2, torch.full_like(index, DROPPED), index)
+        if kind == "rank_dropped" and r == world_size - 1:   # this rank's every assignment dropped
+            index = torch.full_like(index, DROPPED)
         gates = torch.rand(t, k, generator=gen) + 0.5
         out.append((x.to(dtype), index, gates.to(dtype), w.to(dtype)))
     return out

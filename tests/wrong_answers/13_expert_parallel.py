@@ -37,11 +37,11 @@ WRONG_ANSWERS = {
     return torch.cat([fits[:t].view(t, 1), fits[t:].view(t, k - 1)], 1)
 ''')),
         ("capacity rounded down", _changed("moe_routing", (
-            "    return math.ceil(capacity_factor * k * num_tokens / num_experts)",
-            "    return math.floor(capacity_factor * k * num_tokens / num_experts)"))),
+            "    return math.ceil(Fraction(str(capacity_factor)) * k * num_tokens / num_experts)",
+            "    return math.floor(Fraction(str(capacity_factor)) * k * num_tokens / num_experts)"))),
         ("capacity forgets the k assignments per token", _changed("moe_routing", (
-            "    return math.ceil(capacity_factor * k * num_tokens / num_experts)",
-            "    return math.ceil(capacity_factor * num_tokens / num_experts)"))),
+            "    return math.ceil(Fraction(str(capacity_factor)) * k * num_tokens / num_experts)",
+            "    return math.ceil(Fraction(str(capacity_factor)) * num_tokens / num_experts)"))),
         ("priority token by token (each token's choices together), not first choices first", _changed("moe_routing", (
             "    by_priority = expert_index.t().reshape(-1)", "    by_priority = expert_index.reshape(-1)"), (
             "    return fits.view(expert_index.shape[1], -1).t().contiguous()",
@@ -184,6 +184,10 @@ CORRECT_VARIANTS = {
             keep[t, j] = used[e] < capacity
             used[e] += 1
     return keep''')),
+        ("capacity as a float ceiling (the graded factors are exact in binary)", _changed("moe_routing", (
+            "    from fractions import Fraction\n"
+            "    return math.ceil(Fraction(str(capacity_factor)) * k * num_tokens / num_experts)",
+            "    return math.ceil(capacity_factor * k * num_tokens / num_experts)"))),
     ],
     "moe_aux_loss": [
         ("f from a one-hot mean, P by sum / T", _changed("moe_aux_loss", (
@@ -296,9 +300,37 @@ CORRECT_VARIANTS["ep_dp"].append(
                                     "from torch.distributed import ReduceOp, all_reduce, get_world_size\n")
      .replace("dist.get_world_size(", "get_world_size(").replace("dist.all_reduce(", "all_reduce(")
      .replace("dist.ReduceOp", "ReduceOp")))
-# The red team's "no sort" dispatch (assignments found per expert by nonzero) is no longer held as a correct
-# variant: on a rank whose every assignment is dropped it raises ("element 0 of tensors does not require grad"),
-# and the hidden cases drawn at grading time reach such a rank in about one draw in four (3 of 12 seeds).
+# The red team's "no sort" dispatch (assignments found per expert by nonzero) is not a correct variant: on a rank
+# whose every assignment is dropped it raises ("element 0 of tensors does not require grad"); a fixed hidden case
+# ("a rank sends nothing") reaches such a rank at every grading.
+WRONG_ANSWERS["ep_dispatch"].append(
+    ("(red team) no sort, found by nonzero: raises on a rank whose every assignment is dropped (it sends nothing)",
+     _body_replaced("ep_dispatch", "expert_parallel_moe", '''
+    world = dist.get_world_size(group)
+    per_rank = num_experts // world
+    T, k = expert_index.shape
+    flat_expert = expert_index.reshape(-1)
+    flat_token = torch.arange(T, device=x.device).repeat_interleave(k)
+    flat_gate = gates.reshape(-1)
+    sel = torch.cat([(flat_expert == e).nonzero(as_tuple=True)[0] for e in range(num_experts)])
+    sel_expert, sel_token = flat_expert[sel], flat_token[sel]
+    send_counts = torch.bincount(sel_expert, minlength=num_experts).to(torch.int64)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    recv_matrix = recv_counts.view(world, per_rank)            # [source rank, local expert]
+    send_splits = send_counts.view(world, per_rank).sum(1).tolist()
+    recv_splits = recv_matrix.sum(1).tolist()
+    received = AllToAll.apply(x[sel_token], send_splits, recv_splits, group)
+    pieces = list(received.split(recv_matrix.reshape(-1).tolist()))
+    results = [None] * len(pieces)
+    for e, expert in enumerate(local_experts):
+        idx = [s * per_rank + e for s in range(world)]
+        out = expert(torch.cat([pieces[i] for i in idx]))
+        for i, part in zip(idx, out.split([pieces[i].shape[0] for i in idx])):
+            results[i] = part
+    back = AllToAll.apply(torch.cat(results), recv_splits, send_splits, group)
+    weighted = back * flat_gate[sel].unsqueeze(-1)
+    return torch.zeros_like(x).index_add(0, sel_token, weighted.to(x.dtype))''')))
 CORRECT_VARIANTS["ep_dp"].append(
     ("(red team) each gradient scaled by 1/W first, then all-reduced in place", _changed("ep_dp", (
         "            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)\n"
