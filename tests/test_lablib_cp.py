@@ -211,9 +211,10 @@ def test_run_config_refuses_bad_options(options, message):
         cfg.from_options(context_parallel.Config, options).validate()
 
 
-def test_ring_and_gathered_kv_send_the_same_bytes_and_hold_the_same_kv_at_two_ranks():
+def test_ring_and_gathered_kv_send_the_same_bytes_and_what_each_holds():
     """cp_idle.timed_gather against timed_ring on 2 thread ranks: N - 1 blocks sent each; the ring holds its block
-    and the one arriving (2 T/N positions), the gather all T: equal at N = 2."""
+    and the one arriving (2 T/N positions), the gather all T positions plus its own padded input during the
+    collective (N + 1 blocks)."""
     from lablib.course.cp_model import contiguous_positions
     from lablib.measure import cp_idle
     from lablib.probes.rehearsal import run_in_thread_ranks
@@ -222,7 +223,7 @@ def test_ring_and_gathered_kv_send_the_same_bytes_and_hold_the_same_kv_at_two_ra
     positions = contiguous_positions(32, 2)
     block = 2 * 1 * 2 * 16 * 8 * 4                              # K and V of one rank: 2 B H (T/N) D e, float32
     gathered = run_in_thread_ranks(2, lambda r: cp_idle.timed_gather(None, positions, 1, 2, 8))
-    assert [(g["bytes_sent"], g["largest_kv_bytes"]) for g in gathered] == [(block, 2 * block)] * 2
+    assert [(g["bytes_sent"], g["largest_kv_bytes"]) for g in gathered] == [(block, 3 * block)] * 2
     rings = run_in_threads(2, lambda comm: (cp_idle.timed_ring(comm, positions, 1, 2, 8), comm.counts()["bytes_sent"]))
     assert [(sent, rows["largest_kv_bytes"]) for rows, sent in rings] == [(block, 2 * block)] * 2
     assert sum(g["pairs"] for g in gathered) == sum(sum(rows["pairs"]) for rows, _ in rings) == 32 * 33 // 2

@@ -82,25 +82,27 @@ def timed_ring(comm, positions: list[torch.Tensor], batch: int, n_head: int, hea
     mine = positions[rank]
     q = torch.randn(batch, n_head, len(mine), head_dim, generator=g)
     kv = torch.randn(2, batch, n_head, len(mine), head_dim, generator=g)
-    rows = {"compute_s": [], "wait_s": [], "pairs": []}
+    rows = {"compute_s": [], "cpu_s": [], "wait_s": [], "pairs": [], "largest_kv_bytes": 0}
     start = time.perf_counter()
     for step in range(n):
         src = (rank - step) % n
+        held = kv.numel()
         if step < n - 1:
             incoming = torch.empty(2, batch, n_head, len(positions[(src - 1) % n]), head_dim)
             works = [comm.isend(kv, (rank + 1) % n), comm.irecv(incoming, (rank - 1) % n)]
-        t0 = time.perf_counter()
+            held += incoming.numel()                      # the block computed with and the one arriving
+        rows["largest_kv_bytes"] = max(rows["largest_kv_bytes"], held * kv.element_size())
+        t0, c0 = time.perf_counter(), time.thread_time()
         pairs = _tiles(q, mine, kv, positions[src], head_dim, repeats)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if step < n - 1:
             for w in works:
                 w.wait()
             kv = incoming
         rows["compute_s"].append(t1 - t0)
+        rows["cpu_s"].append(c1 - c0)                     # of it, seconds this thread ran on a core
         rows["wait_s"].append(time.perf_counter() - t1)
         rows["pairs"].append(pairs)
-        rows["largest_kv_bytes"] = max(rows.get("largest_kv_bytes", 0), (kv.numel() + (
-            incoming.numel() if step < n - 1 else 0)) * kv.element_size())     # the block held and the one arriving
     rows["span_s"] = time.perf_counter() - start      # from the barrier the caller passed to this rank's last block
     return rows
 
@@ -111,24 +113,25 @@ def timed_gather(group, positions: list[torch.Tensor], batch: int, n_head: int, 
     rotate method): one all_gather of every rank's K/V block, exposed (nothing to compute until it lands), then every
     block's tiles. Blocks of unequal length are padded to the longest for the collective. Returns the gather's and
     the compute's seconds, the span, the bytes this rank sent (its block to each of the N-1 others, as the ring's
-    N-1 hops send) and the K/V bytes it holds at once (all T positions)."""
+    N-1 hops send: the formula, not a count) and the K/V bytes it references at once: the N gathered blocks and its
+    own padded input during the collective (N + 1 blocks; an in-place all-gather would hold N, all T positions)."""
     import torch.distributed as dist
 
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(seed + rank)
     mine = positions[rank]
     q = torch.randn(batch, n_head, len(mine), head_dim, generator=g)
-    kv = torch.randn(2, batch, n_head, len(mine), head_dim, generator=g)
     longest = max(len(p) for p in positions)
     padded = torch.zeros(2, batch, n_head, longest, head_dim)
-    padded[..., :len(mine), :] = kv
+    padded[..., :len(mine), :] = torch.randn(2, batch, n_head, len(mine), head_dim, generator=g)
     start = time.perf_counter()
     gathered = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(gathered, padded, group=group)
     t1 = time.perf_counter()
+    held = (len(gathered) + 1) * padded.numel() * padded.element_size()
+    del padded                                             # its copy is gathered[rank]
     pairs = sum(_tiles(q, mine, gathered[j][..., :len(positions[j]), :], positions[j], head_dim, repeats)
                 for j in range(n))
     end = time.perf_counter()
     return {"gather_s": t1 - start, "compute_s": end - t1, "span_s": end - start, "pairs": pairs,
-            "bytes_sent": (n - 1) * padded.numel() * padded.element_size(),
-            "largest_kv_bytes": sum(t.numel() for t in gathered) * padded.element_size()}
+            "bytes_sent": (n - 1) * gathered[0].numel() * gathered[0].element_size(), "largest_kv_bytes": held}

@@ -20,7 +20,7 @@ Visible cases (``CASES``): fp32; a frozen expert parameter (requires_grad False,
 requires_grad is False, unused by the loss when it is True) and an optional ``seed`` for the gradients. The graded
 cases beyond these (float64, an unused parameter, other seeds) are drawn by the instructor's hidden tests and handed
 to the same functions as dicts (``resolve_case``); none of them is listed here. Tolerance: a sum of at most W
-terms in any order, and a division: gamma_{W+1} u times the sum of the terms' magnitudes.
+terms in any order, and a division: gamma_{W+1} (which holds u) times the sum of the terms' magnitudes.
 """
 
 from __future__ import annotations

@@ -39,14 +39,35 @@ class RehearsalUnsupported(RuntimeError):
     pass
 
 
-class _Done:
-    """What an ``async_op=True`` call returns: the work is already complete."""
+class _Pending:
+    """What an ``async_op=True`` call returns. The ranks met when it was called (its inputs are read then), but its
+    output is written only when ``wait()`` (or ``is_completed()``) is called, as a real asynchronous collective's
+    result can only be relied on after it: an answer that reads the output without waiting reads stale values
+    here, and a work never waited is reported when the rank's function returns (on gloo a buffer freed under a
+    collective still running can crash the process)."""
+
+    def __init__(self, what: str, apply: Callable[[], None]):
+        self.what, self._apply, self.done = what, apply, False
+        pending = getattr(_local, "pending", None)    # None in a thread run_in_thread_ranks did not start
+        if pending is not None:
+            pending.append(self)
+
+    def _finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self._apply()
 
     def wait(self, timeout=None) -> bool:
+        self._finish()
         return True
 
     def is_completed(self) -> bool:
+        self._finish()
         return True
+
+
+class NeverWaited(RuntimeError):
+    """A collective started with ``async_op=True`` whose work was never waited."""
 
 
 class _World:
@@ -84,52 +105,56 @@ def _reduce(values: list[torch.Tensor], op) -> torch.Tensor:
 
 
 def _fake_functions(world: _World) -> dict[str, Callable]:
-    def done(async_op):
-        return _Done() if async_op else None
+    def done(async_op, what="a collective", apply=None):
+        """Write the output now (a blocking call) or on the work's wait() (``async_op=True``)."""
+        def write():
+            if apply is not None:
+                with torch.no_grad():
+                    apply()
+        if async_op:
+            return _Pending(what, write)
+        write()
+        return None
 
     def broadcast(tensor, src=0, group=None, async_op=False, **_):
         values = world.exchange("broadcast", tensor.detach().clone() if _local.rank == src else None)
-        with torch.no_grad():
-            tensor.copy_(values[src])
-        return done(async_op)
+        return done(async_op, "broadcast", lambda: tensor.copy_(values[src]))
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, **_):
         values = world.exchange("all_reduce", tensor.detach().clone())
-        with torch.no_grad():
-            tensor.copy_(_reduce(values, op))
-        return done(async_op)
+        total = _reduce(values, op)
+        return done(async_op, "all_reduce", lambda: tensor.copy_(total))
 
     def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, **_):
         if input.numel() != world.n * output.numel():
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, output {output.numel()}; "
                              f"the input must be world_size x the output ({world.n} x {output.numel()})")
         values = world.exchange("reduce_scatter_tensor", input.detach().clone())
-        with torch.no_grad():
-            output.copy_(_reduce(values, op).flatten().chunk(world.n)[_local.rank].view_as(output))
-        return done(async_op)
+        mine = _reduce(values, op).flatten().chunk(world.n)[_local.rank].view_as(output)
+        return done(async_op, "reduce_scatter_tensor", lambda: output.copy_(mine))
 
     def all_gather_into_tensor(output, input, group=None, async_op=False, **_):
         if output.numel() != world.n * input.numel():
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, input {input.numel()}; "
                              f"the output must be world_size x the input ({world.n} x {input.numel()})")
         values = world.exchange("all_gather_into_tensor", input.detach().clone())
-        with torch.no_grad():
-            output.copy_(torch.cat([v.flatten() for v in values]).view_as(output))
-        return done(async_op)
+        gathered = torch.cat([v.flatten() for v in values]).view_as(output)
+        return done(async_op, "all_gather_into_tensor", lambda: output.copy_(gathered))
 
     def all_gather(tensor_list, tensor, group=None, async_op=False, **_):
         values = world.exchange("all_gather", tensor.detach().clone())
-        with torch.no_grad():
+
+        def write():
             for out, v in zip(tensor_list, values):
                 out.copy_(v)
-        return done(async_op)
+        return done(async_op, "all_gather", write)
 
     def all_gather_object(object_list, obj, group=None, **_):
         object_list[:] = world.exchange("all_gather_object", obj)
 
     def barrier(group=None, async_op=False, **_):
         world.exchange("barrier", None)
-        return done(async_op)
+        return done(async_op, "barrier")
 
     def unsupported(name):
         def call(*args, **kwargs):
@@ -188,9 +213,16 @@ def run_in_thread_ranks(world_size: int, fn: Callable[[int], object], timeout_s:
     errors: list = [None] * world_size
 
     def body(rank):
-        _local.rank = rank
+        _local.rank, _local.pending = rank, []
         try:
             results[rank] = fn(rank)
+            never = [work.what for work in _local.pending if not work.done]
+            if never:
+                raise NeverWaited(f"rank {rank} started {len(never)} collective(s) with async_op=True whose work was "
+                                  f"never waited ({', '.join(sorted(set(never)))}): call .wait() on each work before "
+                                  f"its output is read or its buffers are freed (on real ranks the result may not "
+                                  f"have arrived, and gloo can crash the process when a buffer is freed under a "
+                                  f"collective still running)")
             if isinstance(results[rank], dict) and results[rank].get("error"):
                 world.barrier.abort()  # a probe that caught an error: the other ranks stop waiting for it
         except BaseException as exc:  # noqa: BLE001 - collected and raised in the caller's thread

@@ -7,13 +7,15 @@ real ranks, and the idle time of the contiguous and zigzag splits measured.
         --impl cp_split_impl.py --seq_len 1024 --flex_seq_len 512 --gather_rounds 4 --out out.json
 
 Checking (``ring_forward``, ``ring_backward``, ``ulysses``): every rank runs lablib.probes.cp_ring's (or cp_ulysses')
-probe on each case and rank 0 gathers the records, [case][rank]. ``idle``: one causal ring pass per split
-(lablib.measure.cp_idle), the contiguous split and the zigzag split of the students' ``zigzag_positions``
-(``impl``), after a barrier; each rank's compute seconds, span and pairs per step, gathered. With ``flex_seq_len``
+probe on each case and rank 0 gathers the records, [case][rank]. ``idle``: ``idle_rounds`` rounds of one causal
+ring pass per split (lablib.measure.cp_idle), the contiguous split and the zigzag split of the students'
+``zigzag_positions`` (``impl``), the order alternating by round (A B, B A, ...), each after a barrier and after one
+warm-up pass of each; each rank's compute seconds (wall and this thread's CPU), span and pairs per step, gathered,
+[split][round][rank]. With ``flex_seq_len``
 > 0 the same start then runs torch's own FlexAttention context parallelism (K/V all-gathered) on the CPU ranks and
 compares it with one process (``lablib.measure.cp_torch``), uncompiled block mask unless ``flex_compile``; with
-``gather_rounds`` > 0, before that, rounds of the ring, the gathered-K/V variant (cp_idle.timed_gather) and the ring
-again: span, bytes sent and largest K/V held per rank.
+``gather_rounds`` > 0, before that, rounds of the ring, the gathered-K/V variant (cp_idle.timed_gather) twice and
+the ring again: span, seconds waiting for K/V, bytes sent and largest K/V held per rank.
 
 The tensors live on the CPU and travel through gloo on every machine (on GPUs the default group is NCCL, and a
 gloo group is made next to it, as lab 02 does): gloo's send/recv take CPU tensors only, and one backend keeps the
@@ -50,7 +52,8 @@ class Config:
     seed: int = 0
     flex_seq_len: int = 0              # idle: then torch's FlexAttention context parallelism at this T (0: not run)
     flex_compile: bool = False         # build its block mask with torch.compile, as torch does (gcc, slow on a CPU)
-    gather_rounds: int = 0             # idle: then rounds of ring, gathered K/V, ring again (0: not run)
+    gather_rounds: int = 0             # idle: then rounds of ring, gathered K/V, gathered K/V, ring (0: not run)
+    idle_rounds: int = 1               # idle: timed passes of each split, alternating which goes first
 
     def extra_cases(self) -> list[dict]:
         return script.case_dicts(self.cases_json)
@@ -70,6 +73,8 @@ class Config:
                              f"(cp_ulysses.rehearse_ulysses); leave them out here")
         if self.flex_seq_len < 0 or (self.flex_seq_len and self.exercise != "idle"):
             raise ValueError(f"flex_seq_len={self.flex_seq_len} must be 0 or positive, and runs with exercise 'idle'")
+        if self.idle_rounds < 1:
+            raise ValueError(f"idle_rounds={self.idle_rounds} must be at least 1")
         if self.gather_rounds < 0 or (self.gather_rounds and self.exercise != "idle"):
             raise ValueError(f"gather_rounds={self.gather_rounds} must be 0 or positive, and runs with exercise 'idle'")
         if min(self.seq_len, self.n_head, self.head_dim, self.repeats) < 1:
@@ -83,13 +88,16 @@ def run(env, config: Config) -> dict:
     if config.exercise == "idle":
         splits = {"contiguous": contiguous_positions(config.seq_len, env.world_size),
                   "zigzag": module.zigzag_positions(config.seq_len, env.world_size)}
-        result = {}
-        for name, positions in splits.items():
+        for positions in splits.values():
             cp_idle.timed_ring(comm, positions, 1, config.n_head, config.head_dim, 1, config.seed)   # warm-up
-            dist.barrier(group=group)
-            rows = cp_idle.timed_ring(comm, positions, 1, config.n_head, config.head_dim, config.repeats, config.seed)
-            result[name] = gather_objects(rows, env, group)
-        out = {"idle": result}
+        result = {name: [] for name in splits}
+        for r in range(config.idle_rounds):              # A B, B A, A B, ...: neither split always goes first
+            for name in (list(splits) if r % 2 == 0 else list(splits)[::-1]):
+                dist.barrier(group=group)
+                rows = cp_idle.timed_ring(comm, splits[name], 1, config.n_head, config.head_dim, config.repeats,
+                                          config.seed)
+                result[name].append(gather_objects(rows, env, group))
+        out = {"idle": result}      # [split][round][rank]
         if config.gather_rounds:
             out["gather_vs_ring"] = gather_vs_ring(env, comm, group, config)
         if config.flex_seq_len:
@@ -112,21 +120,28 @@ def run(env, config: Config) -> dict:
 
 
 def gather_vs_ring(env, comm, group, config: Config) -> list[dict]:
-    """``gather_rounds`` rounds of: the ring, the gathered-K/V variant, the ring again (its difference from the first
-    ring is the noise floor), each after a barrier, on the contiguous split; per round and rank the span, the bytes
-    sent and the largest K/V held, gathered to rank 0."""
+    """``gather_rounds`` rounds of: the ring, the gathered-K/V variant twice, the ring again (A B B A: the two rings'
+    difference is the noise floor, and neither variant always runs first or last), each after a barrier, on the
+    contiguous split, after a warm-up of both; per round and rank the span, the seconds spent waiting for K/V (the
+    ring's waits after its products, the gather's exposed collective), the bytes sent (the ring's counted where it
+    sends, the gather's from the formula) and the largest K/V held, gathered to rank 0."""
     positions = contiguous_positions(config.seq_len, env.world_size)
     args = (positions, 1, config.n_head, config.head_dim, config.repeats, config.seed)
+    cp_idle.timed_gather(group, positions, 1, config.n_head, config.head_dim, 1, config.seed)     # warm-ups
+    cp_idle.timed_ring(comm, positions, 1, config.n_head, config.head_dim, 1, config.seed)
     rounds = []
     for _ in range(config.gather_rounds):
         row = {}
-        for name in ("ring", "gather", "ring_again"):
+        for name in ("ring", "gather", "gather_again", "ring_again"):
             dist.barrier(group=group)
             comm.reset()
-            got = cp_idle.timed_gather(group, *args) if name == "gather" else cp_idle.timed_ring(comm, *args)
-            if name != "gather":
-                got["bytes_sent"] = comm.counts()["bytes_sent"]
-            row[name] = {key: got[key] for key in ("span_s", "bytes_sent", "largest_kv_bytes")}
+            if name.startswith("gather"):
+                got = cp_idle.timed_gather(group, *args)
+                got["kv_wait_s"] = got["gather_s"]
+            else:
+                got = cp_idle.timed_ring(comm, *args)
+                got["bytes_sent"], got["kv_wait_s"] = comm.counts()["bytes_sent"], sum(got["wait_s"])
+            row[name] = {key: got[key] for key in ("span_s", "kv_wait_s", "bytes_sent", "largest_kv_bytes")}
         rounds.append(gather_objects(row, env, group))
     return rounds
 

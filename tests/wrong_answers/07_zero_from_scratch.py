@@ -181,3 +181,14 @@ def _with_mixed_precision(source: str) -> str:
 
 CORRECT_VARIANTS["zero3"].append((f"red team, adding on a second backward, and mixed precision added by us: "
                                   f"{_description}", _with_mixed_precision(_ADDS)))
+
+# An asynchronous all-gather whose work is never waited: on real gloo ranks the process can crash (a buffer freed
+# under a collective still running), which the grader would otherwise report as a failure of the machine; the thread
+# rehearsal writes an async collective's output only on wait() and names a work never waited.
+_GATHER = "        dist.all_gather_into_tensor(unit.full, unit.shard.detach().to(self.param_dtype))"
+WRONG_ANSWERS["zero3"].append(
+    ("the unit's all-gather started with async_op=True and never waited", _changed("zero3", (
+        _GATHER, _GATHER[:-1] + ", async_op=True)   # overlap: started, never waited"))))
+CORRECT_VARIANTS["zero3"].append(
+    ("the unit's all-gather started with async_op=True and waited at once", _changed("zero3", (
+        _GATHER, _GATHER[:-1] + ", async_op=True).wait()"))))
