@@ -300,11 +300,12 @@ CORRECT_VARIANTS["ep_dp"].append(
                                     "from torch.distributed import ReduceOp, all_reduce, get_world_size\n")
      .replace("dist.get_world_size(", "get_world_size(").replace("dist.all_reduce(", "all_reduce(")
      .replace("dist.ReduceOp", "ReduceOp")))
-# The red team's "no sort" dispatch (assignments found per expert by nonzero) is not a correct variant: on a rank
-# whose every assignment is dropped it raises ("element 0 of tensors does not require grad"); a fixed hidden case
-# ("a rank sends nothing") reaches such a rank at every grading.
-WRONG_ANSWERS["ep_dispatch"].append(
-    ("(red team) no sort, found by nonzero: raises on a rank whose every assignment is dropped (it sends nothing)",
+# The red team's "no sort" dispatch (assignments found per expert by nonzero) is a correct variant. It once seemed to
+# fail on a rank whose every assignment is dropped ("element 0 of tensors does not require grad"): that error was the
+# probe's own float64 reference, which has no graph on such a rank (the model answer failed there too, about one
+# drawn case in eight); a fixed hidden case ("a rank sends nothing") now reaches such a rank at every grading.
+CORRECT_VARIANTS["ep_dispatch"].append(
+    ("(red team) no sort: each expert's assignments found by nonzero, the results split per source and expert",
      _body_replaced("ep_dispatch", "expert_parallel_moe", '''
     world = dist.get_world_size(group)
     per_rank = num_experts // world
