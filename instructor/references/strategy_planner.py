@@ -30,7 +30,7 @@ gradients or parameters would be reduced or re-gathered once per micro-batch.
 from __future__ import annotations
 
 MIXED_ADAM = (2, 2, 12)
-BUCKET_BYTES = 25 * 2**20                  # DDP's bucket_cap_mb=25 (MiB): torch/nn/parallel/distributed.py
+BUCKET_BYTES = 25 * 2**20                  # DDP: _DEFAULT_BUCKET_CAP_MB = 25 (MiB), torch/nn/parallel/distributed.py:31
 RECOMPUTE = ("none", "selective", "full")
 TIME_RTOL = 0.01                           # a plan within 1% of the fastest predicted step is graded right
 
