@@ -91,17 +91,48 @@ def test_dtensor_shards_nest_on_a_2d_mesh():
 
 
 def test_planner_reference_on_a_case_worked_by_hand():
-    model = {"params": 1e9, "layers": 4, "hidden": 1024, "heads": 8, "seq": 512, "batch": 8}
-    cluster = {"gpus": 4, "gpus_per_node": 4, "memory_bytes": 80e9, "flops": 1e14, "bw_intra": 1e11, "bw_inter": 1e10}
-    ddp = planner.predict(model, cluster, 4, 0, 1, 1)
-    assert ddp["states_bytes"] == 16e9                                  # 16 bytes per parameter on every GPU
-    assert planner.predict(model, cluster, 4, 3, 1, 1)["states_bytes"] == 4e9
-    assert planner.predict(model, cluster, 4, 1, 1, 1)["states_bytes"] == 1e9 * (4 + 12 / 4)
-    assert ddp["dp_comm_s"] == pytest.approx(2 * 3 / 4 * 2e9 / 1e11)   # ring all-reduce of fp16 gradients
+    model = {"params": 1e9, "layers": 4, "hidden": 1024, "heads": 8, "seq": 512, "batch": 8, "vocab": 1000}
+    cluster = {"gpus": 4, "gpus_per_node": 4, "memory_bytes": 80e9, "reserve_bytes": 8e9, "flops": 1e14,
+               "bw_intra": 1e11, "bw_inter": 1e10}
+    ddp = planner.predict(model, cluster, 4, 0, 1, 1, 2, "selective")      # one micro-batch of 2 sequences per rank
+    assert ddp["states_bytes"] == 16e9                                      # 16 bytes per parameter on every GPU
+    assert ddp["activation_bytes"] == 4 * 512 * 2 * 1024 * 34 + 4 * 512 * 2 * 1000    # 4 layers + fp32 logits
+    assert planner.predict(model, cluster, 4, 3, 1, 1, 2, "selective")["states_bytes"] == 4e9
+    assert planner.predict(model, cluster, 4, 1, 1, 1, 2, "selective")["states_bytes"] == 1e9 * (4 + 12 / 4)
     assert ddp["compute_s"] == pytest.approx(6 * 1e9 * 8 * 512 / (4 * 1e14))
+    # the backward (4 P b s / F = 41 ms) outlasts the 2 GB all-reduce (30 ms): only the last 25 MiB bucket is exposed
+    assert ddp["dp_exposed_s"] == pytest.approx(2 * 3 / 4 * 25 * 2**20 / 1e11)
+    # 2 micro-batches of 1: the last one's backward (20 ms) hides only part of it
+    acc = planner.predict(model, cluster, 4, 0, 1, 1, 1, "selective")
+    backward, comm = 4 * 1e9 * 512 / 1e14, 2 * 3 / 4 * 2e9 / 1e11
+    assert acc["dp_exposed_s"] == pytest.approx(comm - backward * (1 - 25 * 2**20 / 2e9))
     with pytest.raises(ValueError):
-        planner.predict(model, cluster, 2, 0, 3, 1)                    # 2 * 3 != 4 GPUs
-    assert planner.best_time(model, dict(cluster, memory_bytes=1e6)) is None
+        planner.predict(model, cluster, 2, 0, 3, 1, 1, "selective")         # 2 * 3 != 4 GPUs
+    with pytest.raises(ValueError):
+        planner.predict(model, cluster, 2, 2, 1, 2, 1, "selective")         # ZeRO-2 with a pipeline
+    assert planner.best(model, dict(cluster, memory_bytes=1e6, reserve_bytes=0)) is None
+
+
+@pytest.mark.parametrize("backward_s", [0.0, 0.01, 0.02, 0.05, 1.0])
+def test_planner_exposed_reduction_is_the_bucket_schedule(backward_s):
+    # the closed form max(T(c), T(G) - t_b (1 - c/G)) is lab 03's bucketed_backward with equal buckets
+    from lablib.course.scaling import bucketed_backward
+
+    grads, bucket, seconds_per_byte = 40 * 25 * 2**20, 25 * 2**20, 1e-11
+    simulated = bucketed_backward(backward_s, grads, bucket, lambda n: n * seconds_per_byte)["exposed_comm"]
+    closed = max(bucket * seconds_per_byte, grads * seconds_per_byte - backward_s * (1 - bucket / grads))
+    assert closed == pytest.approx(simulated, rel=1e-12, abs=1e-15)
+
+
+def test_planner_reproduces_megatrons_layouts_without_zero():
+    # Narayanan et al. (2021), Table 1: 7.5B on 128 A100s with t=4, p=1; 145.6B on 1536 with t=8, p=8
+    a100s = {"gpus_per_node": 8, "memory_bytes": 80e9, "reserve_bytes": 8e9, "flops": 156e12, "bw_intra": 300e9,
+             "bw_inter": 25e9}
+    for (P, a, h, L, N, B), (tp, pp) in (((7.5e9, 32, 4096, 36, 128, 512), (4, 1)),
+                                         ((145.6e9, 96, 12288, 80, 1536, 2304), (8, 8))):
+        model = {"params": P, "layers": L, "hidden": h, "heads": a, "seq": 2048, "batch": B, "vocab": 51200}
+        (dp, zero, t, p, mbs, recompute), _ = planner.best(model, dict(a100s, gpus=N), zero_stages=(0,))
+        assert (t, p) == (tp, pp)
 
 
 @pytest.mark.parametrize("shape, mesh, placements", [

@@ -163,40 +163,71 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
         ("ZeRO-2 shards only the optimizer state (gradients kept whole)", _changed(
             "planner", ("gr / (dp if zero >= 2 else 1)", "gr / (dp if zero >= 3 else 1)"))),
         ("activations not divided by the tensor-parallel degree", _changed(
-            "planner", ("(10 + 24 / tp + 5 * a * s / (h * tp))", "(10 + 24 + 5 * a * s / h)"))),
-        ("the gradient all-reduce always at the bandwidth within a node", _changed(
-            "planner", ('dp_bw = cluster["bw_intra"] if N <= g else cluster["bw_inter"]', 'dp_bw = cluster["bw_intra"]'))),
-        ("forgets the pipeline's bubble", _changed(
-            "planner", ("* (m + pp - 1) / m\n", "\n"))),
+            "planner", ("layer = s * b * h * (10 + 24 / tp)", "layer = s * b * h * (10 + 24)"))),
+        ("the gradient reduction always at the bandwidth within a node", _changed(
+            "planner", ('bw = cluster["bw_intra"] if tp * dp <= g else cluster["bw_inter"]', 'bw = cluster["bw_intra"]'))),
+        ("the gradient reduction across nodes whenever the cluster spans nodes (tp * dp <= g ignored)", _changed(
+            "planner", ('bw = cluster["bw_intra"] if tp * dp <= g else cluster["bw_inter"]',
+                        'bw = cluster["bw_intra"] if N <= g else cluster["bw_inter"]'))),
+        ("forgets the pipeline's bubble (m slots, not m + p - 1)", _changed(
+            "planner", ("pipeline = (m + pp - 1) * (", "pipeline = m * ("))),
         ("plans the smallest memory instead of the fastest step that fits", _changed(
             "planner", ('(best is None or p["step_s"] < best["step_s"])',
                         '(best is None or p["memory_bytes"] < best["memory_bytes"])'))),
         ("never checks that the plan fits in memory", _changed(
-            "planner", ('if p["memory_bytes"] <= cluster["memory_bytes"] and (best is None',
-                        'if (best is None'))),
-        ("red team (missed before): 1F1B keeps p micro-batches in flight, not min(p, m)", _changed(
-            "planner", ("* (L // pp) * min(pp, m)", "* (L // pp) * pp"))),
-        ("red team (missed before): d | B, p | L and the ZeRO stage never validated", _changed(
-            "planner", ('("pp does not divide layers", L % pp),\n', "\n"),
-                       ('("dp does not divide the batch", B % dp), ("zero not in 0..3", zero not in range(4))', ""))),
-        ("red team (missed before): plan tries ZeRO stages 0-2 only", _changed(
-            "planner", ("for zero in range(4):", "for zero in range(3):"))),
-        ("red team: ZeRO-2 also shards the parameters", _changed(
+            "planner", ('if p["memory_bytes"] <= limit and (best is None', 'if (best is None'))),
+        ("ignores the memory reserve (fits in M, not M - R)", _changed(
+            "planner", ('limit = cluster["memory_bytes"] - cluster["reserve_bytes"]', 'limit = cluster["memory_bytes"]'))),
+        ("allows ZeRO-2/3 with a pipeline", _changed(
+            "planner", ('        ("ZeRO-2/3 with pp > 1 (DeepSpeed\'s pipeline engine refuses it)", zero >= 2 and pp > 1)) if wrong]',
+                        '        ) if wrong]'))),
+        ("no recomputation option: every layer keeps its scores (recompute='none' only)", _changed(
+            "planner", ("                    for recompute in RECOMPUTE:\n", "                    for recompute in ('none',):\n"))),
+        ("the data-parallel reduction never overlapped with the backward", _changed(
+            "planner", ("exposed = max(factor * share * bucket, factor * share * grads - backward * (1 - bucket / grads))",
+                        "exposed = factor * share * grads"))),
+        ("the data-parallel reduction always hidden (no last bucket)", _changed(
+            "planner", ("exposed = max(factor * share * bucket, factor * share * grads - backward * (1 - bucket / grads))",
+                        "exposed = max(0.0, factor * share * grads - backward)"))),
+        ("pipeline sends cost nothing", _changed(
+            "planner", ('pp_mb = 2 * (2 * b * s * h) / (cluster["bw_intra"] if N <= g else cluster["bw_inter"]) if pp > 1 else 0',
+                        "pp_mb = 0"))),
+        ("the fp32 logits left out", _changed(
+            "planner", ("last_stage = (L // pp) * kept + working + 4 * s * b * v / tp", "last_stage = (L // pp) * kept + working"))),
+        ("gradient bytes always 2 (the gradients' dtype ignored)", _changed(
+            "planner", ("grads = gr * shard", "grads = 2 * shard"))),
+        ("full recomputation without its second forward", _changed(
+            "planner", ("passes = 8 if recompute == \"full\" else 6", "passes = 6"))),
+        ("ZeRO-1/2's all-gather of the updated parameters left out", _changed(
+            "planner", ("            exposed += share * w * shard                          # updated parameters all-gathered after the step\n",
+                        "            pass\n"))),
+        ("no micro-batches without a pipeline (mbs = B / dp when pp = 1)", _changed(
+            "planner", ("            for mbs in range(1, B // dp + 1):",
+                        "            for mbs in (range(1, B // dp + 1) if pp > 1 else [B // dp]):"))),
+        ("1F1B keeps p micro-batches in flight, not min(p, m)", _changed(
+            "planner", ("first_stage = (L // pp) * kept * min(pp, m) + working", "first_stage = (L // pp) * kept * pp + working"))),
+        ("d | B, p | L and the ZeRO stage never validated", _changed(
+            "planner", ('("pp does not divide layers", L % pp),', ""),
+                       ('("dp*mbs does not divide the batch", B % (dp * mbs)), ("zero not in 0..3", zero not in range(4)),', ""))),
+        ("plan tries ZeRO stages 0-2 only (zero_stages ignored)", _changed(
+            "planner", ("                for zero in zero_stages:", "                for zero in range(3):"))),
+        ("ZeRO-2 also shards the parameters", _changed(
             "planner", ("w / (dp if zero == 3 else 1)", "w / (dp if zero >= 2 else 1)"))),
-        ("red team: the attention scores' 5as/h not divided by the tensor-parallel degree", _changed(
-            "planner", ("(10 + 24 / tp + 5 * a * s / (h * tp))", "(10 + 24 / tp + 5 * a * s / h)"))),
-        ("red team: activations of all L layers on every stage", _changed(
-            "planner", ("* (L // pp) * min(pp, m)", "* L * min(pp, m)"))),
-        ("red team: assert instead of ValueError for dp tp pp != N and tp > g", _changed(
+        ("the attention scores' 5as^2b not divided by the tensor-parallel degree", _changed(
+            "planner", ("kept, working = layer + 5 * a * s * s * b / tp, 0", "kept, working = layer + 5 * a * s * s * b, 0"))),
+        ("activations of all L layers on every stage", _changed(
+            "planner", ("first_stage = (L // pp) * kept * min(pp, m) + working", "first_stage = L * kept * min(pp, m) + working"))),
+        ("assert instead of ValueError for dp tp pp != N and tp > g", _changed(
             "planner", ("    if bad:\n", '    assert dp * tp * pp == N and tp <= g, "invalid degrees"\n    if bad:\n'))),
-        ("red team: plan returns None when nothing fits", _changed(
-            "planner", ("    if best is None:\n", "    if False:\n"))),
-        ("red team: the gradient all-reduce of the whole model's 2P bytes, not this GPU's 2P/(tp pp)", _changed(
-            "planner", ("(2 * shard) / dp_bw", "(2 * P) / dp_bw"))),
-        ("red team: the bubble with m = B micro-batches instead of B / d", _changed(
-            "planner", ("* (m + pp - 1) / m\n", "* ((B if pp > 1 else 1) + pp - 1) / (B if pp > 1 else 1)\n"))),
+        ("plan returns None when nothing fits", _changed(
+            "planner", ("    if best is None:\n        raise", "    if False:\n        raise"))),
+        ("the gradient reduction of the whole model's P parameters, not this GPU's P/(tp pp)", _changed(
+            "planner", ("grads = gr * shard", "grads = gr * P"))),
+        ("micro-batches counted over the global batch (B / mbs), not one rank's (B / (dp mbs))", _changed(
+            "planner", ("m, b = B // (dp * mbs), mbs", "m, b = B // mbs, mbs"))),
     ],
 }
+
 
 CORRECT_VARIANTS = {
     "strategy_class": [
@@ -380,168 +411,153 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
 '''),
     ],
     "planner": [
-        ("itertools.product over the degrees, min by step time", '''
-import itertools
+        ("itertools.product over the degrees, helpers per term, min by (step, memory)", '''
+from itertools import product
+
+RECOMPUTE = ("none", "selective", "full")
+BUCKET_BYTES = 25 * 2**20
 
 
-def predict(model, cluster, dp, zero, tp, pp, state_bytes=(2, 2, 12)):
-    P, L, h, a, s, B = model["params"], model["layers"], model["hidden"], model["heads"], model["seq"], model["batch"]
-    N = cluster["gpus"]
-    if dp * tp * pp != N or tp > cluster["gpus_per_node"] or a % tp or L % pp or B % dp or zero not in (0, 1, 2, 3):
+def _ring(nbytes, n, bw):
+    return 2 * (n - 1) / n * nbytes / bw
+
+
+def predict(model, cluster, dp, zero, tp, pp, mbs, recompute, state_bytes=(2, 2, 12)):
+    P, L, h, a = model["params"], model["layers"], model["hidden"], model["heads"]
+    s, B, v = model["seq"], model["batch"], model["vocab"]
+    N, g, F = cluster["gpus"], cluster["gpus_per_node"], cluster["flops"]
+    if min(dp, tp, pp, mbs) < 1 or dp * tp * pp != N or tp > g or a % tp or L % pp or B % (dp * mbs):
         raise ValueError("invalid degrees")
+    if zero not in (0, 1, 2, 3) or recompute not in RECOMPUTE or (zero >= 2 and pp > 1):
+        raise ValueError("invalid ZeRO stage or recomputation")
     psi = P / tp / pp
-    pw, pg, po = state_bytes
-    states = psi * (pw / (dp if zero >= 3 else 1)) + psi * (pg / (dp if zero >= 2 else 1)) + psi * (po / (dp if zero >= 1 else 1))
+    bw_, bg, bo = state_bytes
+    states = psi * bw_ / (dp if zero >= 3 else 1) + psi * bg / (dp if zero >= 2 else 1) + psi * bo / (dp if zero >= 1 else 1)
+    m = B // dp // mbs
+    base = s * mbs * h * (10 + 24 / tp)
+    per_layer = {"none": base + 5 * a * s * s * mbs / tp, "selective": base, "full": 2 * s * mbs * h}[recompute]
+    extra = base if recompute == "full" else 0.0
+    acts = max(L // pp * per_layer * min(pp, m) + extra, L // pp * per_layer + extra + 4 * s * mbs * v / tp)
+    k = 8 if recompute == "full" else 6
+    slot = k * psi * mbs * s / F + L // pp * (k - 2) * _ring(2 * mbs * s * h, tp, cluster["bw_intra"])
     if pp > 1:
-        m, b = B // dp, 1
-    else:
-        m, b = 1, B // dp
-    act = (L // pp) * min(pp, m) * s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    t = 6 * P * B * s / (N * cluster["flops"]) * (m + pp - 1) / m
-    t += 4 * (L // pp) * m * 2 * (tp - 1) / tp * (2 * b * s * h) / cluster["bw_intra"]
-    bw = cluster["bw_intra"] if N <= cluster["gpus_per_node"] else cluster["bw_inter"]
-    t += (1.5 if zero == 3 else 1) * 2 * (dp - 1) / dp * 2 * psi / bw
-    return {"memory_bytes": states + act, "step_s": t, "states_bytes": states}
+        slot += 4 * mbs * s * h / (cluster["bw_intra"] if N <= g else cluster["bw_inter"])
+    step = (m + pp - 1) * slot
+    if dp > 1:
+        bw = cluster["bw_intra"] if tp * dp <= g else cluster["bw_inter"]
+        G = bg * psi
+        c = min(BUCKET_BYTES, G)
+        T = (lambda x: _ring(x, dp, bw)) if zero == 0 else (lambda x: _ring(x, dp, bw) / 2)
+        t_b = (k - 2) * psi * mbs * s / F
+        step += max(T(c), T(G) - t_b * (1 - c / G))
+        if zero in (1, 2):
+            step += _ring(bw_ * psi, dp, bw) / 2
+        elif zero == 3:
+            step += max(0.0, m * _ring(bw_ * psi, dp, bw) - m * k * psi * mbs * s / F)
+    return {"memory_bytes": states + acts, "step_s": step}
 
 
-def plan(model, cluster):
-    N = cluster["gpus"]
+def plan(model, cluster, zero_stages=(0, 1, 2, 3)):
+    N, B = cluster["gpus"], model["batch"]
     options = []
-    for tp, pp, zero in itertools.product(range(1, N + 1), range(1, N + 1), range(4)):
-        if N % (tp * pp):
-            continue
-        try:
-            p = predict(model, cluster, N // (tp * pp), zero, tp, pp)
-        except ValueError:
-            continue
-        if p["memory_bytes"] <= cluster["memory_bytes"]:
-            options.append(dict(p, dp=N // (tp * pp), zero=zero, tp=tp, pp=pp))
-    if not options:
-        raise ValueError("nothing fits")
-    return min(options, key=lambda o: o["step_s"])
-'''),
-        ("red team: the formulas term by term, nested loops, the first fastest (GPT-2 XL: zero=1)",
-         '''
-def predict(model, cluster, dp, zero, tp, pp, state_bytes=(2, 2, 12)):
-    P, L, h, a, s, B = (model[k] for k in ("params", "layers", "hidden", "heads", "seq", "batch"))
-    N, g, M = cluster["gpus"], cluster["gpus_per_node"], cluster["memory_bytes"]
-    F, bw_intra, bw_inter = cluster["flops"], cluster["bw_intra"], cluster["bw_inter"]
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage {zero} is not 0, 1, 2 or 3")
-    if min(dp, tp, pp) < 1 or dp * tp * pp != N:
-        raise ValueError(f"dp*tp*pp = {dp * tp * pp} != {N} GPUs")
-    if tp > g:
-        raise ValueError(f"tp={tp} > {g} GPUs per node")
-    if a % tp:
-        raise ValueError(f"tp={tp} does not divide {a} heads")
-    if L % pp:
-        raise ValueError(f"pp={pp} does not divide {L} layers")
-    if B % dp:
-        raise ValueError(f"dp={dp} does not divide the batch of {B}")
-    psi = P / (tp * pp)
-    b_w, b_g, b_o = state_bytes
-    states = psi * (b_w / (dp if zero >= 3 else 1) + b_g / (dp if zero >= 2 else 1) + b_o / (dp if zero >= 1 else 1))
-    if pp > 1:
-        m, b = B // dp, 1
-        in_flight = min(pp, m)
-    else:
-        m, b = 1, B // dp
-        in_flight = 1
-    activations = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * (L // pp) * in_flight
-    memory = states + activations
-    compute = 6 * P * B * s / (N * F) * (m + pp - 1) / m
-    tp_comm = 4 * (L // pp) * m * 2 * (tp - 1) / tp * (b * s * h * 2) / bw_intra
-    bw = bw_intra if N <= g else bw_inter
-    grad_comm = 2 * (dp - 1) / dp * 2 * psi / bw
-    if zero == 3:
-        grad_comm *= 1.5
-    step = compute + tp_comm + grad_comm
-    return {"memory_bytes": memory, "step_s": step, "states_bytes": states, "activations_bytes": activations,
-            "compute_s": compute, "tp_comm_s": tp_comm, "grad_comm_s": grad_comm}
-
-
-def plan(model, cluster):
-    N = cluster["gpus"]
-    best = None
-    for tp in range(1, N + 1):
-        for pp in range(1, N + 1):
-            if N % (tp * pp):
-                continue
-            dp = N // (tp * pp)
-            for zero in range(4):
-                try:
-                    p = predict(model, cluster, dp, zero, tp, pp)
-                except ValueError:
-                    continue
-                if p["memory_bytes"] > cluster["memory_bytes"]:
-                    continue
-                if best is None or p["step_s"] < best["step_s"]:
-                    best = {"dp": dp, "zero": zero, "tp": tp, "pp": pp, **p}
-    if best is None:
-        raise ValueError(f"no (dp, zero, tp, pp) fits the model in {cluster['memory_bytes'] / 1e9:.0f} GB per GPU")
-    return best
-'''),
-        ("red team: all problems listed then one ValueError, a ring helper, min by (step, memory): zero=2 on a tie",
-         '''
-import itertools
-
-
-def _divisors(n):
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def predict(model, cluster, dp, zero, tp, pp, state_bytes=(2, 2, 12)):
-    """Memory per GPU and step time from labs 02, 04, 08 and 09's formulas."""
-    P, L, h = model["params"], model["layers"], model["hidden"]
-    heads, s, B = model["heads"], model["seq"], model["batch"]
-    N, g = cluster["gpus"], cluster["gpus_per_node"]
-    problems = []
-    if dp * tp * pp != N:
-        problems.append("dp*tp*pp != N")
-    if tp > g:
-        problems.append("tp > gpus per node")
-    if heads % tp != 0:
-        problems.append("tp does not divide heads")
-    if L % pp != 0:
-        problems.append("pp does not divide layers")
-    if B % dp != 0:
-        problems.append("dp does not divide batch")
-    if zero not in range(4):
-        problems.append("zero not in 0..3")
-    if problems:
-        raise ValueError("; ".join(problems))
-    psi = P / (tp * pp)
-    divide = [dp if zero >= 3 else 1, dp if zero >= 2 else 1, dp if zero >= 1 else 1]
-    states = sum(psi * nbytes / k for nbytes, k in zip(state_bytes, divide))
-    micro = B // dp if pp > 1 else 1
-    b = 1 if pp > 1 else B // dp
-    per_layer = s * b * h * (10 + 24 / tp + 5 * heads * s / (h * tp))
-    acts = per_layer * (L / pp) * (min(pp, micro) if pp > 1 else 1)
-    t_compute = 6 * P * B * s / (N * cluster["flops"]) * ((micro + pp - 1) / micro)
-    ring = lambda nbytes, ranks, bw: 2 * (ranks - 1) / ranks * nbytes / bw
-    t_tp = 4 * (L / pp) * micro * ring(2 * b * s * h, tp, cluster["bw_intra"])
-    bw = cluster["bw_intra"] if N <= g else cluster["bw_inter"]
-    t_dp = ring(2 * psi, dp, bw) * (1.5 if zero == 3 else 1.0)
-    return {"memory_bytes": states + acts, "step_s": t_compute + t_tp + t_dp, "states_bytes": states}
-
-
-def plan(model, cluster):
-    N = cluster["gpus"]
-    options = []
-    for tp, pp, zero in itertools.product(_divisors(N), _divisors(N), (3, 2, 1, 0)):
-        if N % (tp * pp):
+    for tp, pp, mbs, zero, rc in product(range(1, N + 1), range(1, N + 1), range(1, B + 1), zero_stages, RECOMPUTE):
+        if N % (tp * pp) or B % (N // (tp * pp) * mbs):
             continue
         dp = N // (tp * pp)
         try:
-            pred = predict(model, cluster, dp, zero, tp, pp)
+            p = predict(model, cluster, dp, zero, tp, pp, mbs, rc)
         except ValueError:
             continue
-        if pred["memory_bytes"] <= cluster["memory_bytes"]:
-            options.append((pred["step_s"], pred["memory_bytes"], dp, zero, tp, pp, pred))
+        if p["memory_bytes"] <= cluster["memory_bytes"] - cluster["reserve_bytes"]:
+            options.append(dict(p, dp=dp, zero=zero, tp=tp, pp=pp, mbs=mbs, recompute=rc))
     if not options:
-        raise ValueError("nothing fits in the GPUs' memory")
-    step, mem, dp, zero, tp, pp, pred = min(options, key=lambda o: (o[0], o[1]))
-    return {"dp": dp, "zero": zero, "tp": tp, "pp": pp, "memory_bytes": mem, "step_s": step}
+        raise ValueError("nothing fits")
+    return min(options, key=lambda o: (o["step_s"], o["memory_bytes"]))
+'''),
+        ("red team style: every stage's memory computed, and a practitioner's pick among plans within 1% of the "
+         "fastest (least model parallelism, then the lowest ZeRO stage, then the least memory)", '''
+import math
+
+RECOMPUTE = ("none", "selective", "full")
+BUCKET_BYTES = 25 * 2**20
+
+
+def predict(model, cluster, dp, zero, tp, pp, mbs, recompute, state_bytes=(2, 2, 12)):
+    P, L, h, a, s, B, v = (model[k] for k in ("params", "layers", "hidden", "heads", "seq", "batch", "vocab"))
+    N, g = cluster["gpus"], cluster["gpus_per_node"]
+    problems = []
+    if min(dp, tp, pp, mbs) < 1:
+        problems.append("a degree below 1")
+    elif math.prod((dp, tp, pp)) != N:
+        problems.append("dp*tp*pp != N")
+    elif B % (dp * mbs):
+        problems.append("batch")
+    if tp > g or a % tp or L % pp:
+        problems.append("tp or pp")
+    if zero not in range(4) or (zero > 1 and pp > 1):
+        problems.append("zero")
+    if recompute not in RECOMPUTE:
+        problems.append("recompute")
+    if problems:
+        raise ValueError("; ".join(problems))
+    shard = P / (tp * pp)
+    divide = (dp if zero == 3 else 1, dp if zero >= 2 else 1, dp if zero >= 1 else 1)
+    states = sum(shard * nbytes / k for nbytes, k in zip(state_bytes, divide))
+    micro = B // (dp * mbs)
+    no_scores = s * mbs * h * (10 + 24 / tp)
+    if recompute == "full":
+        kept, working = 2 * s * mbs * h, no_scores
+    else:
+        kept, working = no_scores + (5 * a * s * s * mbs / tp if recompute == "none" else 0), 0
+    stages = []
+    for i in range(pp):
+        held = (L // pp) * kept * min(pp - i, micro) + working
+        if i == pp - 1:
+            held = (L // pp) * kept + working + 4 * s * mbs * v / tp
+        stages.append(held)
+    flops_mb = (4 if recompute == "full" else 3) * 2 * shard * mbs * s
+    ring = lambda nbytes, n, bw: 2 * (n - 1) / n * nbytes / bw
+    t_mb = flops_mb / cluster["flops"]
+    t_mb += (L // pp) * (6 if recompute == "full" else 4) * ring(2 * mbs * s * h, tp, cluster["bw_intra"])
+    if pp > 1:
+        t_mb += 2 * 2 * mbs * s * h / (cluster["bw_intra"] if N <= g else cluster["bw_inter"])
+    step = (micro + pp - 1) * t_mb
+    if dp > 1:
+        bw = cluster["bw_intra"] if tp * dp <= g else cluster["bw_inter"]
+        scale = 1.0 if zero == 0 else 0.5
+        grads = state_bytes[1] * shard
+        first = min(BUCKET_BYTES, grads)
+        backward = (flops_mb - 2 * shard * mbs * s) / cluster["flops"]
+        step += max(scale * ring(first, dp, bw), scale * ring(grads, dp, bw) - backward * (grads - first) / grads)
+        gather = 0.5 * ring(state_bytes[0] * shard, dp, bw)
+        if zero in (1, 2):
+            step += gather
+        if zero == 3:
+            step += max(0.0, micro * (2 * gather - flops_mb / cluster["flops"]))
+    return {"memory_bytes": states + max(stages), "step_s": step}
+
+
+def plan(model, cluster, zero_stages=(0, 1, 2, 3)):
+    N = cluster["gpus"]
+    found = []
+    for tp in [d for d in range(1, N + 1) if N % d == 0]:
+        for pp in [d for d in range(1, N // tp + 1) if (N // tp) % d == 0]:
+            dp = N // (tp * pp)
+            for mbs in range(1, model["batch"] + 1):
+                for zero in sorted(zero_stages, reverse=True):
+                    for recompute in reversed(RECOMPUTE):
+                        try:
+                            p = predict(model, cluster, dp, zero, tp, pp, mbs, recompute)
+                        except ValueError:
+                            continue
+                        if p["memory_bytes"] <= cluster["memory_bytes"] - cluster["reserve_bytes"]:
+                            found.append({"dp": dp, "zero": zero, "tp": tp, "pp": pp, "mbs": mbs,
+                                          "recompute": recompute, **p})
+    if not found:
+        raise ValueError(f"no plan fits in {cluster['memory_bytes'] - cluster['reserve_bytes']:.3g} bytes")
+    fastest = min(f["step_s"] for f in found)
+    near = [f for f in found if f["step_s"] <= fastest * 1.005]
+    return min(near, key=lambda f: (f["tp"] * f["pp"], f["zero"], f["memory_bytes"]))
 '''),
     ],
 }
