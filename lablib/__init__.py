@@ -1,9 +1,12 @@
 """lablib: the library behind the Distributed Training Labs, what students install.
 
-Read it like a table of contents. Six folders, one job each, and two modules of their own:
+Read it like a table of contents. Seven folders, one job each, and two modules of their own. ``lablib.labs`` holds
+one package per lab whose code has moved into a folder of its own (labs 12 and 13 so far); the others' code is still
+spread over the shared folders by role, and moves the same way, one lab at a time:
 
 ``lablib.jobs``: running a step
-- ``lablib.jobs.launch``    ``run(step, options, nproc=...)``: a ``lablib.runs.<step>`` under torchrun, its result;
+- ``lablib.jobs.launch``    ``run(step, options, nproc=...)``: a step (``lablib.labs.<step>.run`` or ``lablib.runs.<step>``)
+                            under torchrun, its result;
                             ``run_script(path, nproc=...)``: any script, with each rank's output and stacks
 - ``lablib.jobs.supervisor`` the one loop that watches processes: output, deadline, stopping every process
 - ``lablib.jobs.outcome``   what a run gives back: ``RunResult``, ``ScriptRun``, the errors and how a failure is read
@@ -29,8 +32,6 @@ Read it like a table of contents. Six folders, one job each, and two modules of 
                                bounds two runs that differ only in summation order must stay within
 - ``lablib.measure.p2p``       point-to-point sends and receives that count their bytes (lab 02)
 - ``lablib.measure.ddp_timeline`` lab 06's per-rank step timeline (CPU clocks on gloo, a profiler trace on GPUs)
-- ``lablib.measure.cp_idle`` lab 12's idle time of the contiguous and zigzag splits, measured on a ring
-- ``lablib.measure.cp_torch`` lab 12's run of torch's own FlexAttention context parallelism against one process
 - ``lablib.measure.pipeline_costs`` a measured pipeline step as stage times, latency and gap; played again with them
 
 ``lablib.course``: the course's models, data and formulas (no parallelism inside)
@@ -40,8 +41,6 @@ Read it like a table of contents. Six folders, one job each, and two modules of 
 - ``lablib.course.scaling``  lab 03's strong-scaling formulas, the explicit all-reduce and DDP's bucket timer
 - ``lablib.course.training`` lab 05's one training loop for a single process, DDP, accumulation and FSDP2
 - ``lablib.course.checkpoint_interval`` lab 10's checkpoint interval simulated (failures at random)
-- ``lablib.course.cp_model`` lab 12's numbers: how a sequence is split over context-parallel ranks, work, bytes
-- ``lablib.course.moe``      lab 13's mixture-of-experts MLP in one process (router, gated sum, MoE GPT, its formulas)
 - ``lablib.course.plots``    the course's matplotlib conventions and widgets
 
 ``lablib.parallel``: parallelisms applied to a plain model from outside
@@ -84,14 +83,28 @@ Read it like a table of contents. Six folders, one job each, and two modules of 
 - ``lablib.probes.pipeline_recorder``  what a pipeline stage ran and when, and the activations it saved
 - ``lablib.probes.pipeline_rehearsal`` lab 09's engine on threads as ranks before torchrun (gloo's send/recv matching)
 - ``lablib.probes.fault_tolerance`` lab 10's resumed runs
-- ``lablib.probes.cp_events``       lab 12's ring watched: when each receive was posted and waited (overlap)
-- ``lablib.probes.cp_ring``         lab 12's ring attention forward and backward on ranks vs one process
-- ``lablib.probes.cp_split``        lab 12's zigzag split and idle fraction checked by their properties
-- ``lablib.probes.cp_ulysses``      lab 12's Ulysses re-shard on ranks (bit for bit, all-to-alls counted)
 - ``lablib.probes.group_rehearsal`` labs 12 and 13 on thread ranks: all_to_all_single (equal or uneven), sub-groups
-- ``lablib.probes.expert_parallel`` lab 13's probes as the notebook reaches them (capacity and loss properties)
-- ``lablib.probes.ep_dispatch``     lab 13's dispatch and combine on ranks vs one process (values, rows, bytes)
-- ``lablib.probes.ep_grads``        lab 13's gradient reduction on a dp x ep mesh (values, groups)
+
+``lablib.labs``: one package per lab, everything only that lab uses: its formulas, its probes and checks, its run
+script (``run``, the torchrun step named after the package); a lab package imports the shared folders, never another
+lab, and no shared folder imports a lab (import-linter contracts in pyproject.toml)
+- ``lablib.labs.context_parallel`` lab 12, context parallelism: read ``cp_model`` (the numbers), then ``cp_ring`` and
+                                   ``cp_ulysses`` (the exercises checked on ranks), ``cp_split``, ``cp_idle``, ``run``
+- ``lablib.labs.context_parallel.cp_model``   how a sequence is split over context-parallel ranks, work, bytes, memory
+- ``lablib.labs.context_parallel.cp_ring``    ring attention forward and backward on ranks vs one process
+- ``lablib.labs.context_parallel.cp_events``  the ring watched: when each receive was posted and waited (overlap)
+- ``lablib.labs.context_parallel.cp_split``   the zigzag split and idle fraction checked by their properties
+- ``lablib.labs.context_parallel.cp_ulysses`` Ulysses' re-shard on ranks (bit for bit, all-to-alls counted)
+- ``lablib.labs.context_parallel.cp_idle``    the idle time of the contiguous and zigzag splits, measured on a ring
+- ``lablib.labs.context_parallel.cp_torch``   torch's own FlexAttention context parallelism against one process
+- ``lablib.labs.context_parallel.run``        the torchrun step ``context_parallel``: the exercises and the timings
+- ``lablib.labs.expert_parallel``  lab 13, expert parallelism: read ``moe`` (the layer in one process), then ``probes``
+                                   (what the notebook calls), ``ep_dispatch``, ``ep_grads``, ``run``
+- ``lablib.labs.expert_parallel.moe``         the mixture-of-experts MLP in one process (router, gated sum, MoE GPT, formulas)
+- ``lablib.labs.expert_parallel.probes``      the probes as the notebook reaches them (capacity and loss properties)
+- ``lablib.labs.expert_parallel.ep_dispatch`` dispatch and combine on ranks vs one process (values, rows, bytes)
+- ``lablib.labs.expert_parallel.ep_grads``    the gradient reduction on a dp x ep mesh (values, groups)
+- ``lablib.labs.expert_parallel.run``         the torchrun step ``expert_parallel``: exercises 3 and 4 on ranks
 
 ``lablib.gpucheck``: the course on a GPU (``launchers/gpu-check``): every lab's steps at a student's sizes, the checks only
 a GPU can make, one report

@@ -63,6 +63,9 @@ def test_lablib_table_of_contents_lists_every_module():
     modules |= {".".join(p.relative_to(root).with_suffix("").parts) for p in root.glob("*/*.py")
                 if p.parent.name != "runs" and p.stem != "__init__"}
     modules |= {p.parent.name for p in root.glob("*/__init__.py")}
+    modules |= {".".join(p.relative_to(root).with_suffix("").parts) for p in root.glob("labs/*/*.py")
+                if p.stem != "__init__"}                              # a lab's package: its modules, run included
+    modules |= {f"labs.{p.parent.name}" for p in root.glob("labs/*/__init__.py")}
     modules -= {"__init__"}
     listed = set(re.findall(r"``lablib\.([\w.]+)``", lablib.__doc__)) - {"runs.<step>"}
     assert listed == modules, f"missing from the table: {sorted(modules - listed)}; gone: {sorted(listed - modules)}"

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from lablib import checks
-from lablib.course import cp_model
 from lablib.jobs import config as cfg
+from lablib.labs.context_parallel import cp_model, cp_ring, cp_ulysses
+from lablib.labs.context_parallel import run as context_parallel
+from lablib.labs.context_parallel.cp_events import OverlapComm
 from lablib.measure.memory import SavedActivations
-from lablib.probes import cp_ring, cp_ulysses, group_rehearsal, rehearsal
-from lablib.probes.cp_events import OverlapComm
+from lablib.probes import group_rehearsal, rehearsal
 from lablib.probes.ring_rehearsal import run_in_threads
-from lablib.runs import context_parallel
 
 
 @pytest.mark.parametrize("q_len,k_len,causal", [(32, 32, True), (8, 32, True), (16, 16, False)])
@@ -215,8 +215,8 @@ def test_ring_and_gathered_kv_send_the_same_bytes_and_what_each_holds():
     """cp_idle.timed_gather against timed_ring on 2 thread ranks: N - 1 blocks sent each; the ring holds its block
     and the one arriving (2 T/N positions), the gather all T positions plus its own padded input during the
     collective (N + 1 blocks)."""
-    from lablib.course.cp_model import contiguous_positions
-    from lablib.measure import cp_idle
+    from lablib.labs.context_parallel.cp_model import contiguous_positions
+    from lablib.labs.context_parallel import cp_idle
     from lablib.probes.rehearsal import run_in_thread_ranks
     from lablib.probes.ring_rehearsal import run_in_threads
 

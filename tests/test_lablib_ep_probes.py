@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 
 from lablib import checks
-from lablib.course import moe
 from lablib.course.models import GPTConfig
-from lablib.probes import ep_dispatch, ep_grads, group_rehearsal
+from lablib.labs.expert_parallel import ep_dispatch, ep_grads, moe
+from lablib.labs.expert_parallel import run as ep_run
+from lablib.probes import group_rehearsal
 from lablib.probes.rehearsal import RehearsalDeadlock, run_in_thread_ranks
-from lablib.runs import expert_parallel as ep_run
 
 
 def test_combine_in_one_process_is_the_gated_sum():
@@ -265,7 +265,7 @@ def test_rehearsal_steps_aside_for_names_bound_before_it(tmp_path, import_line, 
     """A name bound before the rehearsal is torch's real collective: it meets the rehearsal's group and raises
     (distributed_c10d.py / _functional_collectives.py frames); the rehearsal then returns [] (the real run
     decides) instead of failing the answer. A rehearsed call runs (and this wrong answer fails its check)."""
-    from lablib.probes import expert_parallel as ep_probes
+    from lablib.labs.expert_parallel import probes as ep_probes
 
     impl = tmp_path / "impl.py"
     impl.write_text(_SOLUTION_LIKE.format(import_line=import_line, call=call))

@@ -84,8 +84,9 @@ def _grad_accum(m) -> None:
 
 def _probes():
     """The labs' probe modules (imported when a verdict runs: the table itself stays cheap to import)."""
-    from lablib.probes import cp_ring, cp_ulysses, ddp, expert_parallel, fault_tolerance, pipeline, tensor_parallel
-    from lablib.probes import zero, zero3
+    from lablib.labs.context_parallel import cp_ring, cp_ulysses
+    from lablib.labs.expert_parallel import probes as expert_parallel
+    from lablib.probes import ddp, fault_tolerance, pipeline, tensor_parallel, zero, zero3
     return locals()
 
 

@@ -45,8 +45,18 @@ from lablib.jobs.processes import RUN_MARKER  # noqa: F401 - part of this module
 
 
 def available_steps() -> list[str]:
-    runs_dir = Path(__file__).parent.parent / "runs"
-    return sorted(p.stem for p in runs_dir.glob("*.py") if not p.stem.startswith("_"))
+    """Every step name: a lab package's ``run`` module (``lablib/labs/<step>/run.py``) or a shared
+    ``lablib/runs/<step>.py``."""
+    root = Path(__file__).parent.parent
+    shared = {p.stem for p in (root / "runs").glob("*.py") if not p.stem.startswith("_")}
+    return sorted(shared | {p.parent.name for p in (root / "labs").glob("*/run.py")})
+
+
+def step_module(step: str) -> str:
+    """The module a step name runs: ``lablib.labs.<step>.run`` when the lab has a package, else ``lablib.runs.<step>``."""
+    if (Path(__file__).parent.parent / "labs" / step / "run.py").is_file():
+        return f"lablib.labs.{step}.run"
+    return f"lablib.runs.{step}"
 
 
 def load_step(step: str):
@@ -57,7 +67,7 @@ def load_step(step: str):
     # swallowed there (torch carries on without numpy; the interrupt is lost and the run starts anyway: seen in
     # tests/stress_interrupt.py). So an interrupt waits until the import is done, then stops the cell here.
     with job.interrupts_deferred():
-        return importlib.import_module(f"lablib.runs.{step}")
+        return importlib.import_module(step_module(step))
 
 
 CORES_VARIABLE = "LABLIB_CORES"
@@ -173,7 +183,7 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
                       ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                        f"--rdzv-id={run.run_id}"])
         cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", "-m", f"lablib.runs.{step}", "--out", str(out),
+               f"--max-restarts={max_restarts}", "-m", step_module(step), "--out", str(out),
                *cfg.to_argv(config)]
         try:
             # torchrun's own messages (agent logs, its failure summary) go to a file: the notebook gets rank 0's

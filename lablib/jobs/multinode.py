@@ -71,7 +71,7 @@ def torchrun_command(step: str, step_argv: Sequence[str], *, nnodes: str, nproc_
     return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
             *([f"--rdzv-conf={conf}"] if conf else []), f"--max-restarts={max_restarts}",
-            "-m", f"lablib.runs.{step}", "--out", out, *step_argv]
+            "-m", launch.step_module(step), "--out", out, *step_argv]
 
 
 def _positive(name: str, value, minimum: int = 1) -> int:

@@ -117,7 +117,7 @@ WRONG_ANSWERS = {
             "cp_zigzag", ("    if seq_len < 2 * world_size:\n", "    if False:\n"))),
         ("the idle fraction returned as lablib's own count at T = 4096, not the closed form (issue 38)", _changed(
             "cp_zigzag", ("    return (world_size - 1) / (2 * world_size - 1)",
-                          "    from lablib.course import cp_model\n"
+                          "    from lablib.labs.context_parallel import cp_model\n"
                           "    return cp_model.idle_fraction(cp_model.causal_pairs_per_step(\n"
                           "        cp_model.contiguous_positions(4096, world_size)))"))),
         ("torch.chunk for the 2N chunks: fewer chunks when 2N does not divide T evenly (visible case (10, 3))", _changed(

@@ -1,9 +1,9 @@
 """Lab 13's probes, as the notebook reaches them: exercises 1 and 2 (the capacity rule and the load-balancing loss)
 checked in this process by their properties; exercises 3 and 4 rehearsed on threads as ranks, then run for real
-(``lablib.runs.expert_parallel``). One module per exercise's probe:
+(``lablib.labs.expert_parallel.run``). One module per exercise's probe:
 
-- ``lablib.probes.ep_dispatch``: exercise 3, dispatch and combine with all_to_all_single vs one process;
-- ``lablib.probes.ep_grads``: exercise 4, the gradient reduction of expert x data parallelism on a dp x ep mesh;
+- ``lablib.labs.expert_parallel.ep_dispatch``: exercise 3, dispatch and combine with all_to_all_single vs one process;
+- ``lablib.labs.expert_parallel.ep_grads``: exercise 4, the gradient reduction of expert x data parallelism on a dp x ep mesh;
 - ``lablib.probes.group_rehearsal``: all_to_all_single and sub-groups on threads (shared with lab 12).
 
 The properties checked here never hold an answer: the hidden tests compare with the instructor's references.
@@ -17,7 +17,8 @@ import torch
 
 from lablib import checks
 from lablib.jobs.exercise import load_module
-from lablib.probes import ep_dispatch, ep_grads, group_rehearsal
+from lablib.probes import group_rehearsal
+from lablib.labs.expert_parallel import ep_dispatch, ep_grads
 
 REQUIRED = {"routing": ("expert_capacity", "keep_within_capacity"), "aux_loss": ("load_balancing_loss",),
             "dispatch": ("expert_parallel_moe",), "ep_dp": ("reduce_moe_gradients",)}

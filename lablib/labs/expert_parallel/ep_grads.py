@@ -30,7 +30,7 @@ import torch
 from lablib import checks
 from lablib.measure import counting
 from lablib.measure.rankcheck import gamma
-from lablib.probes.ep_dispatch import unrehearsed
+from lablib.labs.expert_parallel.ep_dispatch import unrehearsed
 
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
 CASES = {"fp32": dict(dtype="float32", no_grad=None), "frozen": dict(dtype="float32", no_grad=["expert", 1, False])}

@@ -1,13 +1,13 @@
 """Lab 13's graded steps on real ranks: the students' dispatch and combine (exercise 3), or their gradient reduction
 on a dp x ep mesh (exercise 4).
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.expert_parallel --impl ep_dispatch_impl.py \\
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.expert_parallel.run --impl ep_dispatch_impl.py \\
         --exercise dispatch --cases uneven,empty,one \\
         --cases_json '[{"name": "top2", "k": 2, "dtype": "float64", "routing": "random", "seed": 5}]' --out out.json
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.expert_parallel --impl ep_dp_impl.py \\
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.expert_parallel.run --impl ep_dp_impl.py \\
         --exercise ep_dp --mesh 2x2 --cases fp32,frozen --out out.json
 
-What each rank does and records is ``lablib.probes.ep_dispatch`` / ``lablib.probes.ep_grads``; every rank's
+What each rank does and records is ``lablib.labs.expert_parallel.ep_dispatch`` / ``lablib.labs.expert_parallel.ep_grads``; every rank's
 records are gathered on rank 0 (``records``: one per case and rank). Collectives are counted where the student's
 code calls them (``lablib.measure.counting``), with their bytes and their groups' ranks.
 """
@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from lablib.jobs import script
 from lablib.measure.rankcheck import gather_objects
-from lablib.probes import ep_dispatch, ep_grads
-from lablib.probes import expert_parallel as ep_probes
+from lablib.labs.expert_parallel import ep_dispatch, ep_grads
+from lablib.labs.expert_parallel import probes as ep_probes
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from lablib import checks
-from lablib.course.cp_model import causal_pairs_per_step, contiguous_positions, idle_fraction, position_runs
+from lablib.labs.context_parallel.cp_model import causal_pairs_per_step, contiguous_positions, idle_fraction, position_runs
 
 
 def check_zigzag(split, seq_len: int, world_size: int) -> None:

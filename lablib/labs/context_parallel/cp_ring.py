@@ -1,6 +1,6 @@
 """Lab 12's graded ring attention (exercises 1 and 2): what each rank runs and records, the single-process reference,
 the rounding bound it is compared with, and the checks. The same ``probe_ring`` runs on thread ranks (a rehearsal,
-``lablib.probes.ring_rehearsal.ThreadWorld``) and on torchrun ranks (``lablib.runs.context_parallel``).
+``lablib.probes.ring_rehearsal.ThreadWorld``) and on torchrun ranks (``lablib.labs.context_parallel.run``).
 
 Reference: attention on the whole sequence in one process, in float64, by autograd (``unfused_attention``); each
 rank compares its block, picked by its global positions. The bound (``error_bounds``) is derived in the notebook's
@@ -8,7 +8,7 @@ section 3: float rounding of the dot products (gamma_D), of the exponentials and
 applications on a ring of N ranks, each at most 2 ulps plus the rounding of |s - m|), of the sums over T keys and N
 merges (gamma_{T+2N}); twice that, because the float64 reference rounds too.
 
-Splits checked (``SPLITS``): ``contiguous`` (the naive split, lablib.course.cp_model) and ``shuffled`` (a random
+Splits checked (``SPLITS``): ``contiguous`` (the naive split, lablib.labs.context_parallel.cp_model) and ``shuffled`` (a random
 permutation dealt out in uneven blocks: every block mixes early and late positions, so a mask built from local
 indices, or from the wrong block's positions, fails; the zigzag split is one such list).
 """
@@ -20,10 +20,10 @@ import math
 import torch
 
 from lablib import checks
-from lablib.course.cp_model import contiguous_positions, unfused_attention
+from lablib.labs.context_parallel.cp_model import contiguous_positions, unfused_attention
 from lablib.measure.p2p import direct_calls
 from lablib.measure.rankcheck import gamma
-from lablib.probes.cp_events import OverlapComm
+from lablib.labs.context_parallel.cp_events import OverlapComm
 
 # The visible cases, by name (batch, heads, sequence length, head size, split, causal, dtype, logit scale: the
 # scores reach about this size). The graded ones beyond these are drawn by the instructor's hidden tests when they

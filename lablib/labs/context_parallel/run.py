@@ -1,19 +1,19 @@
 """Lab 12's multi-process steps: the students' ring attention (forward, backward) and Ulysses re-shard checked on
 real ranks, and the idle time of the contiguous and zigzag splits measured.
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.context_parallel --exercise ring_forward \\
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.context_parallel.run --exercise ring_forward \\
         --impl cp_ring_impl.py --cases causal,shuffled --out out.json
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.context_parallel --exercise idle \\
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.context_parallel.run --exercise idle \\
         --impl cp_split_impl.py --seq_len 1024 --flex_seq_len 512 --gather_rounds 4 --out out.json
 
-Checking (``ring_forward``, ``ring_backward``, ``ulysses``): every rank runs lablib.probes.cp_ring's (or cp_ulysses')
+Checking (``ring_forward``, ``ring_backward``, ``ulysses``): every rank runs lablib.labs.context_parallel.cp_ring's (or cp_ulysses')
 probe on each case and rank 0 gathers the records, [case][rank]. ``idle``: ``idle_rounds`` rounds of one causal
-ring pass per split (lablib.measure.cp_idle), the contiguous split and the zigzag split of the students'
+ring pass per split (lablib.labs.context_parallel.cp_idle), the contiguous split and the zigzag split of the students'
 ``zigzag_positions`` (``impl``), the order alternating by round (A B, B A, ...), each after a barrier and after one
 warm-up pass of each; each rank's compute seconds (wall and this thread's CPU), span and pairs per step, gathered,
 [split][round][rank]. With ``flex_seq_len``
 > 0 the same start then runs torch's own FlexAttention context parallelism (K/V all-gathered) on the CPU ranks and
-compares it with one process (``lablib.measure.cp_torch``), uncompiled block mask unless ``flex_compile``; with
+compares it with one process (``lablib.labs.context_parallel.cp_torch``), uncompiled block mask unless ``flex_compile``; with
 ``gather_rounds`` > 0, before that, rounds of the ring, the gathered-K/V variant (cp_idle.timed_gather) twice and
 the ring again: span, seconds waiting for K/V, bytes sent and largest K/V held per rank.
 
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lablib.course.cp_model import contiguous_positions
+from lablib.labs.context_parallel.cp_model import contiguous_positions
 from lablib.jobs import exercise, script
-from lablib.measure import cp_idle, cp_torch
+from lablib.labs.context_parallel import cp_idle, cp_torch
 from lablib.measure.p2p import CountingComm
 from lablib.measure.rankcheck import gather_objects
-from lablib.probes import cp_ring, cp_ulysses
+from lablib.labs.context_parallel import cp_ring, cp_ulysses
 
 EXERCISES = {"ring_forward": ("ring_attention_forward",), "ring_backward": ("ring_attention_backward",),
              "ulysses": ("seq_to_head", "head_to_seq", "ulysses_attention"), "idle": ("zigzag_positions",)}
@@ -43,7 +43,7 @@ EXERCISES = {"ring_forward": ("ring_attention_forward",), "ring_backward": ("rin
 class Config:
     impl: str = "cp_ring_impl.py"      # the module file the notebook's exercise cell writes
     exercise: str = "ring_forward"     # ring_forward, ring_backward, ulysses or idle
-    cases: tuple[str, ...] = ()        # names in lablib.probes.cp_ring.CASES (ring) or cp_ulysses.CASES
+    cases: tuple[str, ...] = ()        # names in lablib.labs.context_parallel.cp_ring.CASES (ring) or cp_ulysses.CASES
     cases_json: str = ""               # more cases, a JSON list of case dicts with a "name" (the hidden tests' draws)
     seq_len: int = 1024                # idle: the sequence length
     n_head: int = 4                    # idle: heads (batch 1, head size head_dim)

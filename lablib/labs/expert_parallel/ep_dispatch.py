@@ -3,7 +3,7 @@
 ``expert_parallel_moe(x, expert_index, gates, local_experts, num_experts, group)`` runs on every rank of
 ``group`` (N ranks; rank r holds experts [r E/N, (r+1) E/N)). Every rank builds the same E experts (one seed)
 and the same routing for all ranks (one generator), keeps its own tokens and experts, calls the student's
-function, and back-propagates its own upstream gradient w_r. The reference is ``lablib.course.moe``'s
+function, and back-propagates its own upstream gradient w_r. The reference is ``lablib.labs.expert_parallel.moe``'s
 ``combine_in_one_process`` on the full experts, in float64: rank r's output and the gradients of x_r and of
 gates_r, and for each local expert the gradient of sum_r <w_r, y_r> (all ranks' tokens) and the number of rows
 it ran (a forward hook counts them; the reference counts kept assignments per expert). Two steps: after the
@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from lablib import checks
 from lablib.course.models import GPTConfig, MLPBlock
-from lablib.course.moe import DROPPED, combine_in_one_process
+from lablib.labs.expert_parallel.moe import DROPPED, combine_in_one_process
 from lablib.measure import counting
 from lablib.measure.rankcheck import gamma
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from lablib.course.cp_model import position_runs
+from lablib.labs.context_parallel.cp_model import position_runs
 
 
 def pieces(positions: torch.Tensor) -> list[torch.Tensor]:

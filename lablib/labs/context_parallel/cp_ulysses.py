@@ -1,5 +1,5 @@
 """Lab 12's graded Ulysses re-shard (exercise 4): what each rank runs and records, in thread ranks (a rehearsal)
-and on torchrun ranks (``lablib.runs.context_parallel``), and the checks.
+and on torchrun ranks (``lablib.labs.context_parallel.run``), and the checks.
 
 In threads, ``torch.distributed``'s functions are lablib.probes.rehearsal's fakes plus lablib.probes.group_rehearsal's
 (shared with lab 13): ``all_to_all_single`` cuts every rank's input into N equal pieces, piece j to rank j, received
@@ -8,7 +8,7 @@ real ranks (S = the input's bytes).
 
 Checked: ``seq_to_head`` moves every value to where the contract puts it, bit for bit (a re-shard only moves
 values), and ``head_to_seq`` undoes it; ``ulysses_attention`` equals one process's attention on the whole sequence
-within lablib.probes.cp_ring's rounding bound; all-to-alls only (q, k, v to heads, 3 messages of B H (T/N) D
+within lablib.labs.context_parallel.cp_ring's rounding bound; all-to-alls only (q, k, v to heads, 3 messages of B H (T/N) D
 values or 1 of them packed, then 1 back) and no other collective, a barrier included (the thread ranks log it as the
 real run's counter does); a head count N does not divide is refused with a ValueError that names both numbers. A case with
 "groups": 2 (threads only) cuts the world into two groups of consecutive ranks, each a Ulysses group of its own
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lablib import checks
 from lablib.measure import counting
 from lablib.probes import group_rehearsal
-from lablib.probes.cp_ring import DTYPES, UNDERFLOW, UNIT_ROUNDOFF, error_bounds, full_inputs, reference
+from lablib.labs.context_parallel.cp_ring import DTYPES, UNDERFLOW, UNIT_ROUNDOFF, error_bounds, full_inputs, reference
 from lablib.probes.group_rehearsal import ThreadGroup
 from lablib.probes.rehearsal import run_in_thread_ranks
 
