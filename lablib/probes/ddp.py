@@ -300,8 +300,9 @@ def check_probe(r, wrapper: str) -> None:
         if wrapper == "individual":
             with_grad = len(step["ready"])
             checks.check_true(len(step["bytes"]) in (with_grad, n),
-                              f"{at}: {len(step['bytes'])} all-reduces for {with_grad} gradients ({n} trainable "
-                              f"parameters)", hint="one per distinct trainable parameter (a tied weight is one)")
+                              f"{at}: {ddp_order.plural(len(step['bytes']), 'all-reduce')} for "
+                              f"{ddp_order.plural(with_grad, 'gradient')} ({ddp_order.plural(n, 'trainable parameter')})",
+                              hint="one per distinct trainable parameter (a tied weight is one)")
             problems = ddp_order.individual_problems(step, r["param_bytes"])
         else:
             order = ddp_order.launch_order_problems(step, r["expected_bucket_bytes"], n)

@@ -184,8 +184,8 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
             model.register_comm_hook(bucket_timer, scaling.BucketTimer.hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
         steps = []
-        # DDP's logger averages its iterations 1-10; the students' classes need only a few steps.
-        for step in range(config.timeline_steps if variant == "ddp" else 6):
+        # DDP's logger averages its iterations 1-10; every variant gets as many steps (the same spread to compare).
+        for step in range(config.timeline_steps):
             batch = batches.rank_batch(step)
             optimizer.zero_grad()
             recorder.reset()
