@@ -226,3 +226,14 @@ def test_an_out_of_order_launch_is_reported_as_the_launch_order_not_as_overlap()
     assert problems and "in index order" in problems[0]
     assert ddp_order.launch_order_problems({**step, "bytes": [10, 20, 8]}, [10, 20], 2) == []   # + a usage map
     assert ddp_order.plural(1, "all-reduce") == "1 all-reduce" and ddp_order.plural(2, "bucket") == "2 buckets"
+
+
+def test_the_timeline_takes_the_usage_map_out_of_the_buckets_hidden_fraction():
+    """The bucketed class's map (sent after the backward) is shown apart and left out of the hidden fraction, as
+    DDP's own timer leaves out everything but its buckets."""
+    step = {"comm": [(1.0, 2.0, 60), (2.0, 3.0, 40), (4.0, 5.0, 12)], "compute_end": 3.0, "overlap_fraction": 0.5}
+    out = ddp_overlap.without_usage_map(dict(step), grad_bytes=100, n_params=3)
+    assert out["usage_map"] == (4.0, 5.0, 12) and len(out["comm"]) == 2
+    assert out["overlap_fraction"] == 1.0                      # both buckets done by the compute's end
+    same = ddp_overlap.without_usage_map(dict(step, comm=step["comm"][:2]), grad_bytes=100, n_params=3)
+    assert same["usage_map"] is None and same["overlap_fraction"] == 0.5   # nothing to take out: left as it was
