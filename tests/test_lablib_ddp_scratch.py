@@ -209,3 +209,31 @@ def test_exercise_3_may_import_the_module_of_exercise_2(tmp_path):
     calls = []
     ddp_probes._use_torch_assignment(impl, calls)
     assert impl.DDPBucketed(None, 1.0).buckets == [[0, 1]] and calls[0]["param_bytes"] == [4, 40]
+
+
+def test_buckets_and_the_usage_map_are_told_apart_by_their_bytes():
+    """The measurement counts buckets apart from the usage map: the buckets carry every gradient byte once, the
+    map is one all-reduce of one flag per parameter (any 1-8 byte dtype)."""
+    assert ddp_order.buckets_and_usage_map([40, 60, 12], 100, 3) == ([0, 1], 2)      # 3 float32 flags, last
+    assert ddp_order.buckets_and_usage_map([3, 40, 60], 100, 3) == ([1, 2], 0)       # 3 uint8 flags, first
+    assert ddp_order.buckets_and_usage_map([40, 60], 100, 3) == ([0, 1], None)       # no map
+    assert ddp_order.buckets_and_usage_map([40, 60, 7], 100, 3) == ([0, 1, 2], None)  # 7 bytes is no map of 3 flags
+
+
+def test_an_out_of_order_launch_is_reported_as_the_launch_order_not_as_overlap():
+    step = {"bytes": [20, 10], "launched": [0.1, 0.2], "ready": [(0.05, 0), (0.06, 1)], "backward_done": 0.3}
+    problems = ddp_order.launch_order_problems(step, [10, 20], 2)
+    assert problems and "in index order" in problems[0]
+    assert ddp_order.launch_order_problems({**step, "bytes": [10, 20, 8]}, [10, 20], 2) == []   # + a usage map
+    assert ddp_order.plural(1, "all-reduce") == "1 all-reduce" and ddp_order.plural(2, "bucket") == "2 buckets"
+
+
+def test_the_timeline_takes_the_usage_map_out_of_the_buckets_hidden_fraction():
+    """The bucketed class's map (sent after the backward) is shown apart and left out of the hidden fraction, as
+    DDP's own timer leaves out everything but its buckets."""
+    step = {"comm": [(1.0, 2.0, 60), (2.0, 3.0, 40), (4.0, 5.0, 12)], "compute_end": 3.0, "overlap_fraction": 0.5}
+    out = ddp_overlap.without_usage_map(dict(step), grad_bytes=100, n_params=3)
+    assert out["usage_map"] == (4.0, 5.0, 12) and len(out["comm"]) == 2
+    assert out["overlap_fraction"] == 1.0                      # both buckets done by the compute's end
+    same = ddp_overlap.without_usage_map(dict(step, comm=step["comm"][:2]), grad_bytes=100, n_params=3)
+    assert same["usage_map"] is None and same["overlap_fraction"] == 0.5   # nothing to take out: left as it was

@@ -300,13 +300,20 @@ def check_probe(r, wrapper: str) -> None:
         if wrapper == "individual":
             with_grad = len(step["ready"])
             checks.check_true(len(step["bytes"]) in (with_grad, n),
-                              f"{at}: {len(step['bytes'])} all-reduces for {with_grad} gradients ({n} trainable "
-                              f"parameters)", hint="one per distinct trainable parameter (a tied weight is one)")
+                              f"{at}: {ddp_order.plural(len(step['bytes']), 'all-reduce')} for "
+                              f"{ddp_order.plural(with_grad, 'gradient')} ({ddp_order.plural(n, 'trainable parameter')})",
+                              hint="one per distinct trainable parameter (a tied weight is one)")
             problems = ddp_order.individual_problems(step, r["param_bytes"])
         else:
+            order = ddp_order.launch_order_problems(step, r["expected_bucket_bytes"], n)
+            checks.check_true(not order, f"{at}: launch order: " + "; ".join(order),
+                              hint="every rank must issue the same all-reduces in the same order: buckets strictly in "
+                                   "index order, each every step (a parameter unused on this rank as zeros, marked "
+                                   "ready at the end of the forward)")
             problems = ddp_order.bucket_problems(step, r["expected_buckets"], r["expected_bucket_bytes"], n)
             kept = [i for i in step["globally_unused"] if not step["grad_is_none"][i]]
-            checks.check_true(not kept, f"{at}: parameters that no rank used (ready-order indices {kept}) have a "
+            checks.check_true(not kept, f"{at}: parameters that no rank used (indices {kept} in reverse registration "
+                              f"order) have a "
                               f".grad after the synchronization", hint="leave .grad None where no rank produced a "
                               "gradient, as DDP does (zeros would still be decayed by AdamW): all-reduce a usage map")
         problems += ddp_order.wait_problems(step)

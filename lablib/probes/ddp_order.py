@@ -44,11 +44,33 @@ def split_usage_map(sent: list[int], expected: list[int], n_params: int) -> tupl
     return [], None
 
 
+def buckets_and_usage_map(sent: list[int], grad_bytes: int, n_params: int) -> tuple[list[int], int | None]:
+    """For a measurement, where the expected buckets are not known: the positions in ``sent`` (bytes per
+    all-reduce, launch order) of the buckets, and that of the usage map (None if there is none). The buckets
+    together carry every gradient byte once; the map is the one all-reduce of ``n_params`` flags beside them.
+    When no such split exists, every all-reduce counts as a bucket."""
+    if sum(sent) != grad_bytes:
+        for j in reversed(range(len(sent))):       # the map usually goes last: try there first
+            if sent[j] in usage_map_sizes(n_params) and sum(sent) - sent[j] == grad_bytes:
+                return [i for i in range(len(sent)) if i != j], j
+    return list(range(len(sent))), None
+
+
 def _deadline(step: dict, j: int) -> tuple[float, str]:
     ready = step["ready"]
     if j + 1 < len(ready):
-        return ready[j + 1][0], f"gradient {ready[j + 1][1]} (ready-order index) became final"
+        return ready[j + 1][0], (f"gradient {ready[j + 1][1]} became final (its index in reverse registration "
+                                 f"order, the order the gradients are assumed to become ready)")
     return step["backward_done"], "backward() returned"
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 all-reduce', '2 all-reduces'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _were(n: int, noun: str) -> str:
+    return plural(n, noun) + (" was" if n == 1 else " were")
 
 
 def individual_problems(step: dict, param_bytes: list[int]) -> list[str]:
@@ -58,8 +80,8 @@ def individual_problems(step: dict, param_bytes: list[int]) -> list[str]:
     during = [(t, n) for t, n in zip(step["launched"], step["bytes"]) if t < step["backward_done"]]
     problems = []
     if len(during) != len(step["ready"]):
-        return [f"{len(during)} all-reduces were launched before backward() returned, for {len(step['ready'])} "
-                f"gradients that became final in it: launch one from each parameter's hook"]
+        return [f"{_were(len(during), 'all-reduce')} launched before backward() returned, for "
+                f"{plural(len(step['ready']), 'gradient')} that became final in it: launch one from each parameter's hook"]
     for k, ((t_ready, i), (t_launch, n)) in enumerate(zip(step["ready"], during)):
         deadline, what = _deadline(step, k)
         if n != param_bytes[i]:
@@ -71,13 +93,23 @@ def individual_problems(step: dict, param_bytes: list[int]) -> list[str]:
     return problems[:3]
 
 
-def bucket_problems(step: dict, buckets: list[list[int]], bucket_bytes: list[int], n_params: int) -> list[str]:
-    """Per bucket: launched in index order, each as soon as it and every earlier bucket are complete."""
+def launch_order_problems(step: dict, bucket_bytes: list[int], n_params: int) -> list[str]:
+    """Per bucket: the all-reduces' sizes in launch order are the buckets' in index order, every bucket every step
+    (plus at most one usage map). Not an overlap verdict: a wrapper that overlaps nothing can pass it."""
     positions, _ = split_usage_map(step["bytes"], bucket_bytes, n_params)
     if not positions and bucket_bytes:
         return [f"all-reduces sent {step['bytes']} bytes in launch order; the buckets, in index order, hold "
                 f"{bucket_bytes} (plus at most one usage map of {n_params} flags): launch bucket k+1 only after "
                 f"bucket k, every bucket every step"]
+    return []
+
+
+def bucket_problems(step: dict, buckets: list[list[int]], bucket_bytes: list[int], n_params: int) -> list[str]:
+    """Per bucket, once the launch order is right (``launch_order_problems``): each launched as soon as it and
+    every earlier bucket are complete."""
+    positions, _ = split_usage_map(step["bytes"], bucket_bytes, n_params)
+    if not positions and bucket_bytes:
+        return launch_order_problems(step, bucket_bytes, n_params)
     at = {i: k for k, (_, i) in enumerate(step["ready"])}
     problems, j = [], 0
     for k, bucket in enumerate(buckets):

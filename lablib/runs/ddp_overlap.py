@@ -10,10 +10,13 @@ Four parts, one torchrun start, every variant trained from the same initial weig
   by DDP's own definition, next to what DDP's reducer reports about itself (its iterations 1-10).
 - ``sweep``: median step time of ``DDPBucketed`` at bucket caps from one bucket per parameter to one bucket,
   all caps taking turns step by step, with the parts the alpha-beta model needs measured in the same run:
-  forward, backward and optimizer time with no communication, and standalone all-reduces of several sizes.
+  forward, backward and optimizer time with no communication, and standalone all-reduces of several sizes;
+  and, per cap, the same phases timed inside its own steps (what the model is not fed: hooks, copies, gloo's
+  threads on the cores the backward runs on). Buckets are counted apart from the one usage-map all-reduce.
 - ``benchmark``: ``DDPBucketed`` against DDP at the same cap, paired: ``rounds`` rounds, each a few steps of
-  both taking turns step by step on the same batches (which one goes first alternates by round), the ratio of
-  the medians per round, then the median ratio.
+  three arms taking turns step by step on the same batches (yours, DDP, and a second DDP: the noise floor, the
+  same code timed against itself; which arm goes first rotates by round), the ratios of the medians per round,
+  then the median and the range of the ratios.
   Bytes per step are counted where the collective is called (``lablib.measure.counting``).
 - ``compression``: DDP with communication hooks (none, ``fp16_compress_hook``, PowerSGD rank 1): all-reduce
   bytes per step and the loss after the same number of steps.
@@ -40,6 +43,7 @@ from lablib.jobs.exercise import require_file
 from lablib.course.models import GPT, gpt_config
 from lablib.measure.rankcheck import gather_objects
 from lablib.probes.ddp import load_impl
+from lablib.probes.ddp_order import buckets_and_usage_map
 
 
 COMPRESSION_CAP_MB = 1000.0
@@ -59,7 +63,7 @@ class Config:
     sweep_caps_mb: tuple[float, ...] = (1e-6, 0.05, 0.1, 0.25, 0.5, 100.0)
     sweep_rounds: int = 6                     # steps per cap (taking turns)
     timeline_steps: int = 12                  # DDP's logger averages iterations 1-10: at least 11
-    rounds: int = 5                           # benchmark rounds (median of the per-round ratios)
+    rounds: int = 6                           # benchmark rounds (median of the per-round ratios; 3 orders x 2)
     steps_per_round: int = 4
     compression_steps: int = 40
     lr: float = 3e-3                          # SGD, timeline, sweep and benchmark
@@ -120,13 +124,43 @@ def finish(model) -> None:
         model.finish_gradient_synchronization()
 
 
-def train_step(model, optimizer, batch) -> float:
+def train_step(model, optimizer, batch, phases: dict | None = None) -> float:
+    """One SGD step; ``phases`` (if given) gets each phase's seconds appended: forward, backward (until
+    ``backward()`` returned), both together (``compute_s``), finish (``finish_gradient_synchronization``), optimizer."""
+    t0 = time.perf_counter()
     optimizer.zero_grad()            # set_to_none is the default
     loss = model(*batch)[1]
+    t1 = time.perf_counter()
     loss.backward()
+    t2 = time.perf_counter()
     finish(model)
+    t3 = time.perf_counter()
     optimizer.step()
-    return loss.item()
+    value = loss.item()
+    if phases is not None:
+        for name, seconds in zip(PHASES, (t1 - t0, t2 - t1, t2 - t0, t3 - t2, time.perf_counter() - t3)):
+            phases[name].append(seconds)
+    return value
+
+
+PHASES = ("forward_s", "backward_s", "compute_s", "finish_s", "opt_s")
+
+
+def grad_bytes_and_count(model) -> tuple[int, int]:
+    """Bytes of the trainable gradients (a tied weight once) and the number of trainable tensors."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in params), len(params)
+
+
+def without_usage_map(step: dict, grad_bytes: int, n_params: int) -> dict:
+    """A timeline step of the bucketed class with its usage-map all-reduce taken out of ``comm`` (into
+    ``usage_map``) and the hidden fraction recomputed over the buckets, as DDP's own timer counts them."""
+    buckets, j = buckets_and_usage_map([n for _, _, n in step["comm"]], grad_bytes, n_params)
+    step["usage_map"] = None if j is None else step["comm"][j]
+    step["comm"] = [step["comm"][i] for i in buckets]
+    if j is not None and step["comm"]:
+        step["overlap_fraction"] = overlap_fraction(step["comm"], step["compute_end"])
+    return step
 
 
 # --- timeline ----------------------------------------------------------------------------------------------------
@@ -150,8 +184,8 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
             model.register_comm_hook(bucket_timer, scaling.BucketTimer.hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
         steps = []
-        # DDP's logger averages its iterations 1-10; the students' classes need only a few steps.
-        for step in range(config.timeline_steps if variant == "ddp" else 6):
+        # DDP's logger averages its iterations 1-10; every variant gets as many steps (the same spread to compare).
+        for step in range(config.timeline_steps):
             batch = batches.rank_batch(step)
             optimizer.zero_grad()
             recorder.reset()
@@ -162,9 +196,17 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
             steps.append(record_step(env, model, batch, lambda: finish(model), optimizer, recorder, grad_ready,
                                      blocks, bucket_timer))
         timed = steps[1:]                      # iteration 0 builds buckets and warms caches
+        if variant == "bucketed":
+            timed = [without_usage_map(s, *grad_bytes_and_count(gpt)) for s in timed]
+        fractions = [s["overlap_fraction"] for s in timed]
         mine = {"clock": "gpu profiler trace" if env.device.type == "cuda" else "cpu perf_counter",
-                "median_overlap_fraction": statistics.median(s["overlap_fraction"] for s in timed),
-                "step": timed[len(timed) // 2], "rank_median_step_s": statistics.median(s["end"] for s in timed)}   # this rank's own: the timeline is per rank
+                "median_overlap_fraction": statistics.median(fractions), "overlap_fractions": fractions,
+                # this rank's own forward + backward compute (the last gradient final): the ranks' imbalance
+                "median_compute_s": statistics.median(s["compute_end"] for s in timed),
+                # from the last gradient final to the gradients synchronized: what the backward did not hide
+                "median_tail_s": statistics.median(s["finish_end"] - s["compute_end"] for s in timed),
+                "step": timed[len(timed) // 2], "rank_median_step_s": statistics.median(s["end"] for s in timed),
+                "rank_step_s": [s["end"] for s in timed]}   # this rank's own: the timeline is per rank
         if variant == "ddp":
             logged = model._get_ddp_logging_data()   # what DDP's logger reports about itself (ns)
             comm_ns = logged.get("avg_backward_comm_time", 0)
@@ -200,18 +242,22 @@ def sweep(env, config: Config, impl, batches: Batches) -> dict:
     plain = new_gpt(config, env)                    # no communication: forward, backward, step timed apart
     plain_opt = torch.optim.SGD(plain.parameters(), lr=config.lr)
     times = {cap: [] for cap in caps}
+    phases = {cap: {k: [] for k in PHASES} for cap in caps}   # the same phases inside each cap's own steps
     parts = {"forward_s": [], "backward_s": [], "opt_s": []}
-    buckets = {}
+    buckets, usage_map = {}, {}
+    grad_bytes, n_params = grad_bytes_and_count(plain)
     for step in range(config.sweep_rounds + 1):     # the first round is warm-up
         batch = batches.rank_batch(step)
         for cap in caps:                             # the caps take turns, step by step
             timing.barrier(env.device)
-            if step == 0:                            # warm-up: count the buckets (not timed)
+            if step == 0:                            # warm-up: count the buckets (not timed), the usage map apart
                 with counting.count_collectives() as log:
                     train_step(models[cap], optimizers[cap], batch)
-                buckets[cap] = log.count("all_reduce")
+                sent = [c.bytes for c in log.calls if c.name == "all_reduce"]
+                positions, j = buckets_and_usage_map(sent, grad_bytes, n_params)
+                buckets[cap], usage_map[cap] = len(positions), j is not None
             with timing.stopwatch(times[cap], env.device):
-                train_step(models[cap], optimizers[cap], batch)
+                train_step(models[cap], optimizers[cap], batch, phases[cap] if step > 0 else None)
         plain_opt.zero_grad(set_to_none=True)
         timing.barrier(env.device)
         with timing.stopwatch(parts["forward_s"], env.device):
@@ -220,25 +266,32 @@ def sweep(env, config: Config, impl, batches: Batches) -> dict:
             loss.backward()
         with timing.stopwatch(parts["opt_s"], env.device):
             plain_opt.step()
-    grad_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     sizes = [2**k for k in range(10, 23, 2)]        # 1 kB .. 4 MB
-    return {"caps_mb": caps, "n_buckets": [buckets[c] for c in caps], "grad_bytes": grad_bytes,
-            "n_params": sum(1 for _ in plain.parameters()),
-            "median_step_s": [timing.step_times(times[c], env.device, warmup=1)["median_step_s"] for c in caps],
+    steps = [timing.step_times(times[c], env.device, warmup=1) for c in caps]
+    return {"caps_mb": caps, "n_buckets": [buckets[c] for c in caps], "usage_map": [usage_map[c] for c in caps],
+            "grad_bytes": grad_bytes, "n_params": n_params,
+            "median_step_s": [t["median_step_s"] for t in steps], "step_s": [t["step_s"] for t in steps],
+            # per cap, each phase's median over its steps of the slowest rank. The phases need not add up to the
+            # step: where one rank computes longer, the other waits for it in finish (the all-reduces pair them)
+            "phases_s": [{k: timing.step_times(v, env.device)["median_step_s"] for k, v in phases[c].items()}
+                         for c in caps],
             **{k: timing.step_times(v, env.device, warmup=1)["median_step_s"] for k, v in parts.items()},
             "allreduce_bytes": sizes, "allreduce_s": allreduce_times(env, sizes, config.sweep_rounds)}
 
 
 # --- benchmark ----------------------------------------------------------------------------------------------------
 
+ARMS = ("bucketed", "ddp", "ddp_again")   # yours, DDP, and DDP again: the noise floor (DDP against itself)
+
+
 def benchmark(env, config: Config, impl, batches: Batches) -> dict:
-    variants = {v: wrap(v, impl, new_gpt(config, env), config.bucket_size_mb) for v in ("bucketed", "ddp")}
+    variants = {v: wrap(v.removesuffix("_again"), impl, new_gpt(config, env), config.bucket_size_mb) for v in ARMS}
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=config.lr) for v, m in variants.items()}
     for v in variants:                              # warm-up (DDP rebuilds its buckets at its first step)
         train_step(variants[v], optimizers[v], batches.rank_batch(0))
     rounds = []
     for r in range(config.rounds):
-        order = ("bucketed", "ddp") if r % 2 == 0 else ("ddp", "bucketed")   # who goes first alternates
+        order = ARMS[r % 3:] + ARMS[:r % 3]        # who goes first rotates by round
         times = {v: [] for v in variants}
         for i in range(config.steps_per_round):   # step by step, A B A B ...: a burst of load hits both
             batch = batches.rank_batch(1 + r * config.steps_per_round + i)   # the same batch for both
@@ -247,7 +300,8 @@ def benchmark(env, config: Config, impl, batches: Batches) -> dict:
                 with timing.stopwatch(times[v], env.device):
                     train_step(variants[v], optimizers[v], batch)
         medians = {v: timing.median(timing.slowest_rank(t, env.device)) for v, t in times.items()}
-        rounds.append({**medians, "ratio": medians["bucketed"] / medians["ddp"]})
+        rounds.append({**medians, "ratio": medians["bucketed"] / medians["ddp"],
+                       "noise_ratio": medians["ddp_again"] / medians["ddp"]})
     # Bytes per step, counted where the collective is called: the students' class through torch.distributed,
     # DDP's reducer through a communication hook (on a separate copy, so the timed DDP has no Python hook).
     with counting.count_collectives() as mine:
@@ -258,8 +312,18 @@ def benchmark(env, config: Config, impl, batches: Batches) -> dict:
     for _ in range(2):                               # the second step, after DDP's bucket rebuild
         theirs.reset()
         train_step(counted, opt, batches.rank_batch(0))
-    return {"rounds": rounds, "median_ratio": statistics.median(r["ratio"] for r in rounds),
+    grad_bytes, n_params = grad_bytes_and_count(counted.module)
+    mine_sent = [c.bytes for c in mine.calls if c.name == "all_reduce"]
+    positions, j = buckets_and_usage_map(mine_sent, grad_bytes, n_params)
+    ratios, noise = [r["ratio"] for r in rounds], [r["noise_ratio"] for r in rounds]
+    return {"cap_mb": config.bucket_size_mb, "rounds": rounds, "median_ratio": statistics.median(ratios),
+            "ratio_range": [min(ratios), max(ratios)], "median_noise_ratio": statistics.median(noise),
+            "noise_ratio_range": [min(noise), max(noise)],
+            "bucket_bytes": {"bucketed": [mine_sent[i] for i in positions],
+                             "ddp": [c.bytes for c in theirs.calls if c.name == "all_reduce"]},
+            "usage_map_bytes": None if j is None else mine_sent[j],
             "median_step_s": {v: statistics.median(r[v] for r in rounds) for v in variants},
+            "step_range_s": {v: [min(r[v] for r in rounds), max(r[v] for r in rounds)] for v in variants},
             "bytes_per_step": {"bucketed": mine.bytes("all_reduce"), "ddp": theirs.bytes("all_reduce")},
             "all_reduces_per_step": {"bucketed": mine.count("all_reduce"), "ddp": theirs.count("all_reduce")},
             "bus_bytes_per_step": {"bucketed": mine.bus_bytes("all_reduce"), "ddp": theirs.bus_bytes("all_reduce")}}
@@ -268,7 +332,7 @@ def benchmark(env, config: Config, impl, batches: Batches) -> dict:
 # --- compression hooks -------------------------------------------------------------------------------------------
 
 def compression(env, config: Config, batches: Batches) -> dict:
-    out = {}
+    out, weights = {}, {}
     eval_batch = [batches.rank_batch(10**6 + i) for i in range(2)]
     for name in ("none", "fp16", "powersgd"):
         # One bucket: PowerSGD chains its all-reduces in completion callbacks, which gloo runs on its own
@@ -295,7 +359,11 @@ def compression(env, config: Config, batches: Batches) -> dict:
             val = statistics.mean(model.module(*b)[1].item() for b in eval_batch)
         t = torch.tensor([val], device=env.device)
         dist.all_reduce(t)
-        out[name] = {"bytes_per_step": per_step, "losses": losses, "final_loss": t.item() / env.world_size}
+        # Was the hook applied? The same steps without it end on other weights (identical only if it did nothing).
+        weights[name] = [p.detach().clone() for p in model.module.parameters()]
+        diff = max((a - b).abs().max().item() for a, b in zip(weights[name], weights["none"]))
+        out[name] = {"bytes_per_step": per_step, "losses": losses, "final_loss": t.item() / env.world_size,
+                     "max_abs_weight_diff_vs_none": diff}
     return out
 
 

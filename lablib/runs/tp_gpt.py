@@ -135,6 +135,7 @@ def run(env, config: Config) -> dict:
            "bytes_per_rank": {name: tensor_parallel.local_param_bytes(model) for name, model in variants.items()},
            "activation_bytes": config.batch_size * config.block_size * config.n_embd * 4,
            "vocab_size": tokenizer.vocab_size, "padded_vocab_size": vocab, "median_step_s": {},
+           "step_s": {},                                 # each variant's timed steps (slowest rank): their spread
            "vocab_rows_per_rank": {"unpadded": _rows_per_rank(tokenizer.vocab_size, mesh),
                                    "padded": _rows_per_rank(tensor_parallel.padded_vocab_size(tokenizer.vocab_size, tp),
                                                             mesh)}}
@@ -173,7 +174,8 @@ def run(env, config: Config) -> dict:
                     out["grad_max_diff"][name] = max((grads[k] - reference[k]).abs().max().item() for k in reference)
             sgd_step_(model.parameters(), config.lr)
         out["losses"][name] = losses
-        out["median_step_s"][name] = _timed(model, batches, loss_context, config, env)["median_step_s"]
+        timed = _timed(model, batches, loss_context, config, env)
+        out["median_step_s"][name], out["step_s"][name] = timed["median_step_s"], timed["step_s"]
         if name != "single":
             out["comm"][name] = comm
         script.progress(env, list(variants).index(name) + 1, len(variants))
