@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from instructor.references import strategy_planner as planner
 from instructor.references.strategy_shards import expected_shards
-from lablib.measure import rankcheck
+from lablib.measure import rankcheck, timing
 from lablib.parallel.strategies import merge_qkv
 from lablib.course.models import GPTConfig
 from lablib.parallel.strategy_rows import DeepSpeedZeRO, TorchDDPIndividualStandIn, TorchDDPStandIn
@@ -124,6 +124,49 @@ def test_planner_exposed_reduction_is_the_bucket_schedule(backward_s):
     assert closed == pytest.approx(simulated, rel=1e-12, abs=1e-15)
 
 
+def _link_after_compute(m, forward_s, backward_s, grads, bucket, seconds_per_byte):
+    """m micro-batches, each a forward then a backward that makes ``grads`` bytes at a steady rate; every micro-batch's
+    gradients reduced in buckets on one link, in order, a bucket as soon as it is full and the link free (lab 03's
+    bucketed_backward over m backwards): how long the link runs past the last backward."""
+    n, link_free = round(grads / bucket), 0.0
+    for i in range(m):
+        start = i * (forward_s + backward_s) + forward_s
+        for k in range(n):
+            link_free = max(link_free, start + backward_s * (k + 1) / n) + bucket * seconds_per_byte
+    return max(bucket * seconds_per_byte, link_free - m * (forward_s + backward_s))
+
+
+@pytest.mark.parametrize("bw", [1e12, 1e11, 3e10, 1e10, 3e9])
+@pytest.mark.parametrize("mbs", [1, 2, 4])
+def test_planner_zero2_reduces_once_per_micro_batch_on_one_link(bw, mbs):
+    # ZeRO-2 shards the gradients (memory b_g / d), so each of the m micro-batches is reduce-scattered: m reductions
+    # queue on one link. The reference's closed form against that schedule simulated bucket by bucket (equal buckets).
+    model = {"params": 1.2e9, "layers": 4, "hidden": 1024, "heads": 8, "seq": 512, "batch": 16, "vocab": 1000}
+    cluster = {"gpus": 4, "gpus_per_node": 4, "memory_bytes": 80e9, "reserve_bytes": 8e9, "flops": 1e14,
+               "bw_intra": bw, "bw_inter": bw}
+    got = planner.predict(model, cluster, 4, 2, 1, 1, mbs, "selective", state_bytes=(2, 25 * 2**20 * 40 / 1.2e9, 12))
+    m, grads = 16 // (4 * mbs), 25 * 2**20 * 40                    # 40 buckets of gradients
+    forward, backward = 2 * 1.2e9 * mbs * 512 / 1e14, 4 * 1.2e9 * mbs * 512 / 1e14
+    simulated = _link_after_compute(m, forward, backward, grads, 25 * 2**20, 3 / 4 / bw)
+    gather = 3 / 4 * 2 * 1.2e9 / bw                                 # then the updated parameters all-gathered
+    assert got["dp_exposed_s"] == pytest.approx(simulated + gather, rel=1e-9)
+    # one reduction per step (what z <= 1 does with whole gradients) is less whenever the link falls behind
+    once = planner.predict(model, cluster, 4, 1, 1, 1, mbs, "selective", state_bytes=(2, 25 * 2**20 * 40 / 1.2e9, 12))
+    assert once["dp_exposed_s"] <= got["dp_exposed_s"] * (1 + 1e-12)
+
+
+def test_planner_zero3_puts_gathers_and_reduce_scatters_on_one_link():
+    # 2 gathers (forward, backward) and 1 reduce-scatter per micro-batch, hidden at most behind m micro-batches' compute
+    model = {"params": 1e9, "layers": 4, "hidden": 1024, "heads": 8, "seq": 512, "batch": 16, "vocab": 1000}
+    cluster = {"gpus": 4, "gpus_per_node": 4, "memory_bytes": 80e9, "reserve_bytes": 8e9, "flops": 1e14,
+               "bw_intra": 1e10, "bw_inter": 1e10}
+    p = planner.predict(model, cluster, 4, 3, 1, 1, 1, "selective")     # m = 4 micro-batches of one sequence
+    gather = reduce_scatter = 3 / 4 * 2e9 / 1e10                         # 2-byte weights and gradients
+    compute = 6 * 1e9 * 512 / 1e14
+    assert p["micro_batches"] == 4
+    assert p["dp_exposed_s"] == pytest.approx(4 * (2 * gather + reduce_scatter) - 4 * compute, rel=1e-12)
+
+
 def test_planner_reproduces_megatrons_layouts_without_zero():
     # Narayanan et al. (2021), Table 1: 7.5B on 128 A100s with t=4, p=1; 145.6B on 1536 with t=8, p=8
     a100s = {"gpus_per_node": 8, "memory_bytes": 80e9, "reserve_bytes": 8e9, "flops": 156e12, "bw_intra": 300e9,
@@ -175,3 +218,27 @@ def test_individual_standin_is_one_bucket_per_parameter():
 def test_harness_refuses_odd_rounds_and_empty_windows(changes, message):
     with pytest.raises(ValueError, match=message):
         Config(impl="", **changes).validate()
+
+
+def test_beyond_all_chance_counts_orders():
+    # 6 row and 6 floor ratios from one distribution: how often at least k of the row's lie above all the floor's,
+    # drawn 200,000 times (seeded) against the closed form, within 5 binomial standard errors
+    draws = torch.rand(200_000, 12, generator=torch.Generator().manual_seed(0))
+    above = (draws[:, :6] > draws[:, 6:].max(dim=1, keepdim=True).values).sum(dim=1)
+    for k, exact in ((4, 28 / 924), (5, 7 / 924), (6, 1 / 924)):
+        assert timing.beyond_all_chance(6, 6, k) == pytest.approx(exact, rel=1e-12)
+        frequency = (above >= k).double().mean().item()
+        assert abs(frequency - exact) <= 5 * (exact * (1 - exact) / 200_000) ** 0.5
+
+
+def test_noise_verdict_needs_enough_rounds_beyond_the_floor():
+    floor = [0.98, 0.84, 1.40, 0.99, 0.90, 0.82]
+    # 11 rows read both ways at 5% for the table: all 6 of 6 rounds (1/924 <= 0.05 / 22; 7/924 is not)
+    assert timing.noise_verdict([4.57, 4.43, 4.08, 3.18, 5.37, 3.32], floor, 11)["verdict"] == "slower"
+    five = timing.noise_verdict([1.74, 1.54, 1.47, 1.45, 1.42, 1.04], floor, 11)
+    assert (five["verdict"], five["above"], five["needed"]) == ("within noise", 5, 6)
+    assert timing.noise_verdict([1.74, 1.54, 1.47, 1.45, 1.42, 1.04], floor, 1)["verdict"] == "slower"   # 7/924 <= 2.5%
+    assert timing.noise_verdict([0.5] * 6, floor, 11)["verdict"] == "faster"
+    assert timing.noise_verdict([9.0] * 4, floor[:4], 11)["needed"] is None      # 4 rounds can never reach 0.23%
+    with pytest.raises(ValueError):
+        timing.noise_verdict([], floor, 11)

@@ -20,11 +20,15 @@ under full recomputation), tensor-parallel all-reduces (4 per layer, 6 with full
 lab 02's ring within a node) and pipeline sends (one activation forward, one gradient back, 2 b s h bytes each);
 then the data-parallel gradient reduction's exposed part: DDP's 25 MiB buckets overlap the last micro-batch's
 backward except the last bucket (``lablib.course.scaling.bucketed_backward``'s schedule in closed form), an
-all-reduce for z = 0, a reduce-scatter for z >= 1; ZeRO-1/2 then all-gather the updated parameters (exposed);
-ZeRO-3 gathers the parameters twice per micro-batch, hidden behind the compute as far as it lasts. ZeRO-2/3 with
-pp > 1 is refused, as DeepSpeed's PipelineEngine refuses it (``assert self.zero_optimization_stage() < 2,
-"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"``, deepspeed/runtime/pipe/engine.py): sharded
-gradients or parameters would be reduced or re-gathered once per micro-batch.
+all-reduce for z = 0, a reduce-scatter for z >= 1, once per step for z <= 1 (whole gradients accumulate). ZeRO-2
+shards the gradients, so every micro-batch's are reduce-scattered: m reductions on one link, each further one adding
+what exceeds a micro-batch's compute (the same schedule over m backwards, checked by simulation in
+tests/test_lablib_strategies.py). ZeRO-1/2 then all-gather the updated parameters (exposed). ZeRO-3 gathers the
+parameters twice per micro-batch (forward, backward) and reduce-scatters once: 3 m collectives on one link, hidden
+at most behind the m micro-batches' compute, the last bucket exposed. ZeRO-2/3 with pp > 1 is refused here, as
+DeepSpeed's PipelineEngine refuses it (its __init__ asserts a ZeRO stage below ZeroStageEnum.gradients, message
+"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism", deepspeed 0.19.8 runtime/pipe/engine.py:76-77): the
+engine reduces the gradients once per step, after the last micro-batch.
 """
 
 from __future__ import annotations
@@ -79,12 +83,23 @@ def predict(model: dict, cluster: dict, dp: int, zero: int, tp: int, pp: int, mb
         reduce = _all_reduce_s if zero == 0 else _half_ring_s
         grads = gb * psi
         bucket = min(BUCKET_BYTES, grads)
-        backward = (6 if full else 4) * psi * b * s / F          # the last micro-batch's backward
-        exposed = max(reduce(bucket, dp, dp_bw), reduce(grads, dp, dp_bw) - backward * (grads - bucket) / grads)
-        if zero in (1, 2):
-            exposed += _half_ring_s(wb * psi, dp, dp_bw)
-        if zero == 3:
-            exposed += max(0.0, 2 * m * _half_ring_s(wb * psi, dp, dp_bw) - m * compute_mb)
+        last_bucket = reduce(bucket, dp, dp_bw)
+        if zero <= 2:
+            # z <= 1: the gradients accumulate whole and are reduced once, during the last micro-batch's backward.
+            # z = 2: they are sharded, so each micro-batch's are reduce-scattered (m reductions on one link); while the
+            # link keeps up each is hidden but the last's last bucket, once it falls behind each further reduction
+            # adds what exceeds one micro-batch's compute (the link busy from the first micro-batch's first bucket).
+            backward = (6 if full else 4) * psi * b * s / F      # the last micro-batch's backward
+            reductions = m if zero == 2 else 1
+            one = reduce(grads, dp, dp_bw) - backward * (grads - bucket) / grads
+            exposed = max(last_bucket, one + (reductions - 1) * max(0.0, reduce(grads, dp, dp_bw) - compute_mb))
+            if zero >= 1:
+                exposed += _half_ring_s(wb * psi, dp, dp_bw)   # the updated parameters all-gathered (exposed)
+        else:
+            # z = 3: two gathers of the parameters (forward, backward) and one reduce-scatter per micro-batch, all on
+            # one link, prefetched behind the m micro-batches' compute; the last bucket's reduce-scatter stays exposed
+            link = m * (2 * _half_ring_s(wb * psi, dp, dp_bw) + reduce(grads, dp, dp_bw))
+            exposed = max(last_bucket, link - m * compute_mb)
     return {"memory_bytes": states + activations, "step_s": pipeline + exposed, "states_bytes": states,
             "activation_bytes": activations, "compute_s": m * compute_mb, "pipeline_s": pipeline,
             "tp_comm_s": m * tp_mb, "pp_comm_s": m * pp_mb, "dp_exposed_s": exposed, "micro_batches": m}

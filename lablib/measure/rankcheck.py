@@ -136,14 +136,16 @@ def bound_ratio(diff: torch.Tensor, bound: torch.Tensor) -> float:
 
 def sgd_rounding_bound(steps: int, lr: float, longest_sum: int, max_grad: float, max_weight: float,
                        unit_roundoff: float = FP32_UNIT_ROUNDOFF) -> float:
-    """How far two SGD runs of the same model, data and initial weights can end apart when they differ only in
-    the order of their floating-point sums (DDP's per-rank partial sums against one process's single sum).
+    """How far two SGD runs of the same model, data and initial weights end apart, as an estimate, when they differ
+    only in the order of their floating-point sums (DDP's per-rank partial sums against one process's single sum).
 
     Per step, two sources, added over the steps:
-    - the gradient: each element is a sum of at most ``longest_sum`` rounded terms of size at most about
-      ``max_grad``; computed in two orders, the two sums differ by at most gamma_n * max_grad, with
-      gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1); the
-      update multiplies that by ``lr``;
+    - the gradient: each element is a sum of at most ``longest_sum`` rounded terms t_i; each order of the sum lands
+      within gamma_n * sum|t_i| of the exact value, gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability of
+      Numerical Algorithms, section 3.1; section 4.2 gives gamma_(n-1) for recursive summation), so two orders
+      differ by up to 2 gamma_n sum|t_i|. This function uses gamma_n * ``max_grad`` in place of that: an estimate,
+      not a bound (the largest gradient element stands for sum|t_i|, which is larger wherever terms of both signs
+      cancel; lab 01 says so next to its figure). The update multiplies it by ``lr``;
     - the update w - lr g is rounded to float32 in each run: at most u |w| each, so 2 u max|w| between them.
     The bound adds the steps' contributions without amplifying them. That holds when the gradient is a smooth
     (Lipschitz) function of the weights and lr times the curvature is small: an early difference is then

@@ -18,6 +18,7 @@ ones), because every step waits for whichever rank is slow in it.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from typing import Iterator, Sequence
@@ -72,3 +73,38 @@ def step_times(per_step_s: Sequence[float], device: torch.device, group=None, wa
         raise ValueError(f"warmup={warmup} must leave at least one of the {len(per_step_s)} timed steps")
     slowest = slowest_rank(per_step_s[warmup:], device, group)
     return {"median_step_s": median(slowest), "step_s": slowest}
+
+
+def beyond_all_chance(n_row: int, n_floor: int, k: int) -> float:
+    """The chance that at least ``k`` of a row's ``n_row`` per-round ratios lie above every one of ``n_floor`` noise-
+    floor ratios when both are draws of one distribution (the row costs what DDP costs). Then every order of the
+    n_row + n_floor values is equally likely, and "k of the row's above all the floor's" is "the k largest values
+    are all the row's": C(n_row + n_floor - k, n_row - k) / C(n_row + n_floor, n_row). The same holds below every
+    one. With 6 and 6: k = 6 gives 1/924, k = 5 gives 7/924."""
+    if not (0 <= k <= n_row and n_floor >= 1):
+        raise ValueError(f"k={k} must lie in 0..n_row={n_row}, and n_floor={n_floor} must be at least 1")
+    return math.comb(n_row + n_floor - k, n_row - k) / math.comb(n_row + n_floor, n_row)
+
+
+def noise_verdict(ratios: Sequence[float], floor: Sequence[float], comparisons: int, alpha: float = 0.05) -> dict:
+    """Whether a row's per-round ratios to DDP tell it from DDP, against DDP timed against itself (``floor``).
+
+    The rule (rank-based, no assumption on the shape of the noise): "slower" when at least ``needed`` of the row's
+    rounds lie above the floor's highest ratio, "faster" when that many lie below its lowest, otherwise "within
+    noise". ``needed`` is the fewest rounds whose ``beyond_all_chance`` stays at or under alpha / (2 comparisons):
+    over a table of ``comparisons`` rows, each read both ways, the chance that noise alone prints any verdict is
+    then at most alpha (Bonferroni). ``needed`` is None when no count of rounds gets there (too few rounds)."""
+    if not ratios or not floor or comparisons < 1:
+        raise ValueError(f"{len(ratios)} ratios and {len(floor)} floor ratios (need both), comparisons={comparisons}")
+    level = alpha / (2 * comparisons)
+    needed = next((k for k in range(1, len(ratios) + 1) if beyond_all_chance(len(ratios), len(floor), k) <= level),
+                  None)
+    above = sum(r > max(floor) for r in ratios)
+    below = sum(r < min(floor) for r in ratios)
+    verdict = "within noise"
+    if needed is not None and above >= needed:
+        verdict = "slower"
+    elif needed is not None and below >= needed:
+        verdict = "faster"
+    return {"verdict": verdict, "above": above, "below": below, "needed": needed,
+            "chance": beyond_all_chance(len(ratios), len(floor), needed) if needed else None, "level": level}

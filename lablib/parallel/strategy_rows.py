@@ -178,10 +178,10 @@ class DeepSpeedZeRO(Strategy):
 
     ``gradient_clipping: 0.0``: DeepSpeed clips the gradients' global norm to 1.0 when the config says nothing
     (deepspeed 0.19.8, runtime/constants.py:203 ``GRADIENT_CLIPPING_DEFAULT = 1.0``, applied in
-    runtime/zero/stage_1_and_2.py:3199-3207 and stage3.py:2982-2985), which the other rows do not do. The course
-    GPT's first gradient has norm ~3.5, so a config without the key steps by 0.29 of the gradient and misses the
-    weight check by ~3 orders of magnitude; with it, the three stages end where PyTorch's DDP does (1.5e-8 from one
-    process after the harness's 3 steps, the ranks bit-identical)."""
+    runtime/zero/stage_1_and_2.py:3199-3208 and stage3.py:2982-2986; the default is version-specific), which the
+    other rows do not do. The course GPT's first gradient has norm ~3.5, so a config without the key steps by 0.29
+    of the unclipped step lr g and misses the weight check by ~3 orders of magnitude; with it, the three stages end
+    where PyTorch's DDP does (1.5e-8 from one process after the harness's 3 steps, the ranks bit-identical)."""
 
     def __init__(self, env, stage: int):
         super().__init__(env)

@@ -20,9 +20,12 @@ the same SGD-with-momentum steps on the same global batches of Tiny Shakespeare.
 - throughput: each row timed in turns with a freshly built PyTorch DDP (``rounds`` rounds, an even number, who
   goes first alternating), each side a window of ``timed_steps`` steps (the median of the per-step slowest-rank
   times); per round the ratio row / DDP; the row's figure is the median of the per-round ratios with their
-  spread (min, max). ``torch_ddp`` timed against DDP is the noise floor: a row whose median ratio lies inside
-  its per-round spread reads "= DDP within noise". tokens/s = tokens per step / (one DDP reference step time,
-  the median of every DDP window of the run, x the row's ratio), so the two columns never disagree.
+  spread (min, max). ``torch_ddp`` timed against DDP is the noise floor: a row is "slower" ("faster") than DDP
+  only when enough of its per-round ratios lie above (below) every one of the floor's, enough that noise alone
+  prints any verdict in the table with a chance of at most 5% (``timing.noise_verdict``: all 6 of 6 rounds with
+  --quick and about 11 timed rows); otherwise "within noise". tokens/s = tokens per step / (one DDP reference
+  step time, the median of every DDP window of the run, x the row's ratio), so the two columns never disagree,
+  and every row's tokens/s moves with that one reference from run to run.
 
 The students' rows take their lab 11 ``YourDDP`` class (``--impl``) around lab 06's and lab 07's classes found in
 ``--labs-dir``, or stand-ins where those files are missing (``lablib.parallel.strategy_rows``); ``--standins true``
@@ -306,20 +309,25 @@ def run(env, config: Config) -> dict:
         table[row] = entry
         script.progress(env, i + 1, len(config.rows), row=row)
     ddp_windows = [r["ddp"] for e in table.values() for r in e.get("rounds", [])]
-    noise = table.get("torch_ddp", {}).get("ratio_spread")
-    if rounds and noise is None:                         # torch_ddp not among the rows: DDP against DDP anyway
-        noise = _row(env, config, "torch_ddp", pieces, impl, batches, timed, reference, rounds)["ratio_spread"]
+    floor_row = table.get("torch_ddp", {})
+    if rounds and "rounds" not in floor_row:             # torch_ddp not among the rows: DDP against DDP anyway
+        floor_row = _row(env, config, "torch_ddp", pieces, impl, batches, timed, reference, rounds)
+    floor = [r["ratio"] for r in floor_row.get("rounds", [])]
+    noise = [min(floor), max(floor)] if floor else None
     ddp_step_s = timing.median(ddp_windows) if ddp_windows else None
-    for e in table.values():
+    compared = [n for n, e in table.items() if e.get("ratio_to_ddp") and n != "torch_ddp"]
+    for name, e in table.items():
         if e.get("ratio_to_ddp"):
             e["tokens_per_s"] = config.global_batch * config.block_size / (ddp_step_s * e["ratio_to_ddp"])
-            e["within_noise"] = noise[0] <= e["ratio_to_ddp"] <= noise[1]
+        if name in compared:
+            e["vs_ddp"] = timing.noise_verdict([r["ratio"] for r in e["rounds"]], floor, len(compared))
+            e["within_noise"] = e["vs_ddp"]["verdict"] == "within noise"
     dist.barrier()
     return {"rows": table, "bound": bound, "max_grad": reference["max_grad"], "max_weight": max_weight,
             "world_size": env.world_size, "config": config_used, "n_params": sum(
                 p.numel() for p in GPT(config.gpt()).parameters()),
             "tokens_per_step": config.global_batch * config.block_size, "ddp_step_s": ddp_step_s,
-            "noise_floor": noise,
+            "noise_floor": noise, "noise_floor_rounds": floor,
             "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
                         "processor": platform.processor() or platform.machine(), "backend": env.backend,
                         "device": str(env.device), "threads_per_rank": torch.get_num_threads()}}

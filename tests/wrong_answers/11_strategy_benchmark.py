@@ -184,11 +184,19 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
         ("no recomputation option: every layer keeps its scores (recompute='none' only)", _changed(
             "planner", ("                    for recompute in RECOMPUTE:\n", "                    for recompute in ('none',):\n"))),
         ("the data-parallel reduction never overlapped with the backward", _changed(
-            "planner", ("exposed = max(factor * share * bucket, factor * share * grads - backward * (1 - bucket / grads))",
-                        "exposed = factor * share * grads"))),
+            "planner", ("exposed = max(factor * share * bucket, reduce_s - hidden)", "exposed = reduce_s"))),
         ("the data-parallel reduction always hidden (no last bucket)", _changed(
-            "planner", ("exposed = max(factor * share * bucket, factor * share * grads - backward * (1 - bucket / grads))",
-                        "exposed = max(0.0, factor * share * grads - backward)"))),
+            "planner", ("exposed = max(factor * share * bucket, reduce_s - hidden)",
+                        "exposed = max(0.0, reduce_s - backward)"))),
+        ("one reduce-scatter per step for ZeRO-2/3 with m > 1 (sharded gradients reduced once, as if accumulated whole)",
+         _changed("planner", ("            if zero == 2:      #", "            if False:      #"),
+                  ("m * (2 * share * w * shard + reduce_s)", "(m * 2 * share * w * shard + reduce_s)"))),
+        ("ZeRO-3's gathers and reduce-scatter each hidden behind the compute on its own (one link counted as two)",
+         _changed("planner", ("exposed = max(factor * share * bucket, m * (2 * share * w * shard + reduce_s) - m * compute_mb)",
+                              "exposed = max(factor * share * bucket, m * reduce_s - m * compute_mb) "
+                              "+ max(0.0, m * 2 * share * w * shard - m * compute_mb)"))),
+        ("ZeRO-3 gathers the parameters once per micro-batch (the backward's re-gather left out)", _changed(
+            "planner", ("m * (2 * share * w * shard + reduce_s)", "m * (share * w * shard + reduce_s)"))),
         ("pipeline sends cost nothing", _changed(
             "planner", ('pp_mb = 2 * (2 * b * s * h) / (cluster["bw_intra"] if N <= g else cluster["bw_inter"]) if pp > 1 else 0',
                         "pp_mb = 0"))),
@@ -199,8 +207,8 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
         ("full recomputation without its second forward", _changed(
             "planner", ("passes = 8 if recompute == \"full\" else 6", "passes = 6"))),
         ("ZeRO-1/2's all-gather of the updated parameters left out", _changed(
-            "planner", ("            exposed += share * w * shard                          # updated parameters all-gathered after the step\n",
-                        "            pass\n"))),
+            "planner", ("                exposed += share * w * shard                      # updated parameters all-gathered after the step\n",
+                        "                pass\n"))),
         ("no micro-batches without a pipeline (mbs = B / dp when pp = 1)", _changed(
             "planner", ("            for mbs in range(1, B // dp + 1):",
                         "            for mbs in (range(1, B // dp + 1) if pp > 1 else [B // dp]):"))),
@@ -449,11 +457,14 @@ def predict(model, cluster, dp, zero, tp, pp, mbs, recompute, state_bytes=(2, 2,
         c = min(BUCKET_BYTES, G)
         T = (lambda x: _ring(x, dp, bw)) if zero == 0 else (lambda x: _ring(x, dp, bw) / 2)
         t_b = (k - 2) * psi * mbs * s / F
-        step += max(T(c), T(G) - t_b * (1 - c / G))
-        if zero in (1, 2):
-            step += _ring(bw_ * psi, dp, bw) / 2
-        elif zero == 3:
-            step += max(0.0, m * _ring(bw_ * psi, dp, bw) - m * k * psi * mbs * s / F)
+        t_mb = k * psi * mbs * s / F
+        if zero == 3:                                    # m x (gather, gather, reduce-scatter) behind m x compute
+            step += max(T(c), m * (_ring(bw_ * psi, dp, bw) + T(G) - t_mb))
+        else:                                            # the link busy from the first or the last reduction on
+            reductions = m if zero == 2 else 1
+            step += max(T(c), *(n * T(G) - (n - 1) * t_mb - t_b * (1 - c / G) for n in (1, reductions)))
+            if zero:
+                step += _ring(bw_ * psi, dp, bw) / 2
     return {"memory_bytes": states + acts, "step_s": step}
 
 
@@ -528,12 +539,21 @@ def predict(model, cluster, dp, zero, tp, pp, mbs, recompute, state_bytes=(2, 2,
         grads = state_bytes[1] * shard
         first = min(BUCKET_BYTES, grads)
         backward = (flops_mb - 2 * shard * mbs * s) / cluster["flops"]
-        step += max(scale * ring(first, dp, bw), scale * ring(grads, dp, bw) - backward * (grads - first) / grads)
         gather = 0.5 * ring(state_bytes[0] * shard, dp, bw)
-        if zero in (1, 2):
-            step += gather
+        reduce = scale * ring(grads, dp, bw)
         if zero == 3:
-            step += max(0.0, micro * (2 * gather - flops_mb / cluster["flops"]))
+            traffic, budget = micro * (2 * gather + reduce), micro * flops_mb / cluster["flops"]
+            step += max(scale * ring(first, dp, bw), traffic - budget)
+        else:
+            # simulate the link micro-batch by micro-batch: reductions (one, or one per micro-batch under ZeRO-2)
+            # queue behind each other; each starts at the earliest when its micro-batch's first bucket is full
+            compute, link_free = flops_mb / cluster["flops"], 0.0
+            for i in range(micro if zero == 2 else 1):
+                first_ready = (micro - (micro if zero == 2 else 1) + i + 1) * compute - backward * (1 - first / grads)
+                link_free = max(link_free, first_ready) + reduce
+            step += max(scale * ring(first, dp, bw), link_free - micro * compute)
+            if zero in (1, 2):
+                step += gather
     return {"memory_bytes": states + max(stages), "step_s": step}
 
 
