@@ -31,6 +31,7 @@ the kinds applied and each opt-out with its reason.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -107,7 +108,7 @@ _TABLE = [
     _ex("01_gradient_accumulation", "accumulation_step", ("gradients", "communication"),
         readiness="the answer only chooses when DDP's reducer syncs (no_sync); it launches no collective itself, "
                   "and the hidden 3-rank torchrun run counts the reducer's all-reduces"),
-    _ex("01_gradient_accumulation", "microbatch_loss", ("numerics", "gradients")),
+    _ex("01_gradient_accumulation", "microbatch_loss", ("numerics",)),
     _ex("01_gradient_accumulation", "bn_answer", value_answer=True),
     _ex("01_gradient_accumulation", "lr_scaling",
         steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
@@ -116,11 +117,27 @@ _TABLE = [
         readiness="mean_across_ranks issues one all-reduce of one tensor and DDP's own reducer launches the gradient "
                   "all-reduces: no bucket whose readiness order the answer could depend on"),
     _ex("05_gpt_migration", "apply_fsdp", ("topology",),
-        inputs="fully_shard works in place: the model passed is meant to change (the plan of units and the bytes "
-               "each rank holds are what is checked)",
         steps="applying FSDP2 is one call; the torchrun runs train the result for several steps and count its "
               "collectives per step"),
     _ex("05_gpt_migration", "pick_strategy", value_answer=True),
+    _ex("09_pipeline_parallel", "schedules"),
+    _ex("09_pipeline_parallel", "pipeline_engine", ("communication",),
+        readiness="the order of the sends is the schedule the test passes (GPipe, 1F1B and other cases, a different "
+                  "order per rank): the engine must follow it, it chooses no order of its own"),
+    _ex("09_pipeline_parallel", "bubble_formulas",
+        steps="two pure functions of integers: nothing is kept between calls, so every drawn hidden case is a fresh "
+              "step"),
+    _ex("09_pipeline_parallel", "microbatch_answer", value_answer=True),
+    _ex("10_fault_tolerance", "app_state", ("device_state",),
+        inputs="start() owns what it is given: it shards the model in place and the AppState keeps the sampler the "
+               "run steps; the graded runs compare every step with an uninterrupted run instead",
+        aliasing="a state_dict hands DCP the live parameters and optimizer state by design (get_state_dict returns "
+                 "them, not copies) and DCP loads into them in place",
+        steps="the precheck and the graded torchrun run train six and more steps, stop or are killed, resume and "
+              "compare every step with the uninterrupted run bit for bit"),
+    _ex("10_fault_tolerance", "young_daly", ("numerics",),
+        steps="three pure functions of numbers: nothing is kept between calls, so every hidden case is a fresh step"),
+    _ex("10_fault_tolerance", "per_rank_answer", value_answer=True),
 ]
 EXERCISES: dict[tuple[str, str], Exercise] = {(e.lab, e.name): e for e in _TABLE}
 
@@ -287,14 +304,101 @@ class HiddenCheck:
         return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(name,))
 
     # --- device state --------------------------------------------------------------------------------------
-    def check_device_state_present(self, state: dict, keys: list[str], what: str) -> None:
-        """The keys of state that hold GPU-only state (e.g. CUDA generators) are present; on a CPU run that is all
-        that can be checked (their values exist only on a GPU)."""
+    CUDA_MARKER = torch.frombuffer(bytearray(b"hidden:cuda-rng!"), dtype=torch.uint8)   # 16 bytes, as Philox's state
+
+    @contextlib.contextmanager
+    def fake_cuda_generators(self, module) -> Iterator[list]:
+        """Inside the block, the student's ``module`` sees a machine with one GPU whose generator state is
+        ``CUDA_MARKER``: its ``torch.cuda`` (and ``torch.cuda.random``) answer is_available() True, device_count() 1,
+        get_rng_state(_all) the marker; set_rng_state(_all) calls are recorded in the list yielded. Only the student's
+        module is changed (its global ``torch`` is a stand-in), so torch's own code still runs on the CPU."""
+        restored: list = []
+        fake = _FakeCuda(self.CUDA_MARKER, restored)
+        saved = dict(vars(module))
+        module.torch = _TorchWithCuda(torch, fake)
+        for name, value in saved.items():
+            if value is torch.cuda or value is torch.cuda.random:
+                setattr(module, name, fake)
+            elif callable(value) and getattr(value, "__module__", "") in ("torch.cuda.random", "torch.cuda") and \
+                    hasattr(_FakeCuda, getattr(value, "__name__", "")):
+                setattr(module, name, getattr(fake, value.__name__))
+        try:
+            yield restored
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+
+    def check_device_state_present(self, state, what: str, restored: list | None = None) -> None:
+        """``state`` (what the answer saves) holds the GPU generator state that ``fake_cuda_generators`` showed it;
+        with ``restored`` (that block's list), the answer also put it back. A CPU run can check no more: the values
+        exist only on a GPU."""
         self._mark("device_state")
-        missing = [k for k in keys if k not in state]
-        checks.check_true(not missing, f"{what}: keys missing from the saved state: {missing}",
-                          hint="save this state whenever it exists on the machine that saves (e.g. CUDA generators on "
-                               "a GPU), and save its key on every machine")
+        checks.check_true(_holds(state, self.CUDA_MARKER), f"{what}: the GPU's random generator state is not in it "
+                          f"(on a machine with a GPU)", hint="save torch.cuda's generator states whenever a GPU is "
+                          "there (torch.cuda.get_rng_state_all()); a CPU run cannot see their values, a GPU run needs them")
+        if restored is not None:
+            checks.check_true(any(_holds(r, self.CUDA_MARKER) for r in restored),
+                              f"{what}: loading it did not restore the GPU's random generator state",
+                              hint="torch.cuda.set_rng_state_all(...) with what was saved, when a GPU is there")
+
+
+class _FakeCuda:
+    """torch.cuda as the student's module sees it inside fake_cuda_generators (also standing in for torch.cuda.random)."""
+
+    def __init__(self, marker: torch.Tensor, restored: list):
+        self._marker, self._restored = marker, restored
+        self.random = self
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def get_rng_state(self, device="cuda"):
+        return self._marker.clone()
+
+    def get_rng_state_all(self):
+        return [self._marker.clone()]
+
+    def set_rng_state(self, new_state, device="cuda"):
+        self._restored.append(new_state)
+
+    def set_rng_state_all(self, new_states):
+        self._restored.append(list(new_states))
+
+    def manual_seed(self, seed):
+        pass
+
+    manual_seed_all = manual_seed
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchWithCuda:
+    """The torch module with another torch.cuda: what the student's module calls ``torch`` inside the block."""
+
+    def __init__(self, real, cuda):
+        self._real, self.cuda = real, cuda
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _holds(value, marker: torch.Tensor, depth: int = 0) -> bool:
+    """Whether a tensor equal to marker is somewhere in value (containers, and objects through their attributes)."""
+    if depth > 8:
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.shape == marker.shape and value.dtype == marker.dtype and torch.equal(value.cpu(), marker)
+    if isinstance(value, dict):
+        return any(_holds(v, marker, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds(v, marker, depth + 1) for v in value)
+    if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)):
+        return any(_holds(v, marker, depth + 1) for v in vars(value).values())
+    return False
 
 
 def hidden(lab: str, name: str) -> HiddenCheck:

@@ -212,12 +212,70 @@ def test_second_node_catches_an_answer_that_uses_the_local_rank_as_the_rank():
         hk.second_node(world_size=3, nodes=2)
 
 
-# --- device state -------------------------------------------------------------------------------------------------
-def test_device_state_present_catches_a_missing_key():
-    hk = _check(("device_state",))
-    hk.check_device_state_present({"cpu": 1, "cuda": []}, ["cpu", "cuda"], "rng state")
-    with pytest.raises(CheckFailed, match=r"missing .*\['cuda'\]"):
-        hk.check_device_state_present({"cpu": 1}, ["cpu", "cuda"], "rng state")
+# --- device state -----------------------------------------------------------------------------------------------
+_RIGHT_STATE = '''
+import torch
+
+
+def save():
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def load(state):
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+'''
+_FROM_IMPORT_STATE = '''
+import torch
+from torch.cuda import get_rng_state_all, set_rng_state_all, is_available
+
+
+def save():
+    return {"cuda": get_rng_state_all() if is_available() else []}
+
+
+def load(state):
+    if is_available():
+        set_rng_state_all(state["cuda"])
+'''
+_NO_CUDA_STATE = '''
+import torch
+
+
+def save():
+    return {"torch": torch.get_rng_state()}   # wrong: a GPU's generators (dropout on the GPU) are not saved
+
+
+def load(state):
+    torch.set_rng_state(state["torch"])
+'''
+_SAVED_NOT_RESTORED = _RIGHT_STATE.replace("        torch.cuda.set_rng_state_all(state[\"cuda\"])", "        pass")
+
+
+def _module(source: str):
+    import types
+    module = types.ModuleType("answer")
+    exec(compile(source, "answer.py", "exec"), module.__dict__)
+    return module
+
+
+@pytest.mark.parametrize("source, error", [(_RIGHT_STATE, None), (_FROM_IMPORT_STATE, None),
+                                           (_NO_CUDA_STATE, "is not in it"), (_SAVED_NOT_RESTORED, "did not restore")])
+def test_device_state_catches_gpu_generators_left_out_on_a_cpu_run(source, error):
+    assert source != _SAVED_NOT_RESTORED or "pass" in source
+    module, hk = _module(source), _check(("device_state",))
+    cpu_state = torch.get_rng_state()
+    with hk.fake_cuda_generators(module) as restored:
+        state = module.save()
+        module.load(state)
+    assert module.torch is torch and torch.get_rng_state().equal(cpu_state)    # the module is put back afterwards
+    if error is None:
+        hk.check_device_state_present(state, "the saved state", restored)
+    else:
+        with pytest.raises(CheckFailed, match=error):
+            hk.check_device_state_present(state, "the saved state", restored)
+    assert "device_state" in hk.applied
 
 
 # --- the table and the bookkeeping ----------------------------------------------------------------------------------
