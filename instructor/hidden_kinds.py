@@ -160,13 +160,21 @@ class HiddenCheck:
         with self._lock:
             self.applied.add(kind)
 
+    def stepped_aside(self, kinds: tuple[str, ...], why: str) -> None:
+        """The harness that applies ``kinds`` did not run this answer (e.g. a thread rehearsal that cannot stand in
+        for a collective the answer bound by name): they count as applied, and done() prints why they were not."""
+        for kind in kinds:
+            self._mark(kind)
+        self.aside = getattr(self, "aside", []) + [f"{', '.join(kinds)} stepped aside ({why})"]
+
     def done(self) -> None:
         missing = [k for k in self.exercise.required if k not in self.applied]
         if missing:
             raise RuntimeError(f"hidden test of {self.exercise.lab}/{self.exercise.name} never applied "
                                f"{missing} (instructor/hidden_kinds.py requires them; opt out with a reason there)")
         print(f"[hidden kinds] {self.exercise.name}: applied {', '.join(sorted(self.applied)) or 'none'}"
-              + "".join(f"; {k} left out ({r})" for k, r in self.exercise.opt_out.items()))
+              + "".join(f"; {k} left out ({r})" for k, r in self.exercise.opt_out.items())
+              + "".join(f"; {a}" for a in getattr(self, "aside", [])))
 
     def __enter__(self):
         return self
@@ -182,6 +190,7 @@ class HiddenCheck:
         named in ``mutable`` (positions or keyword names: what the exercise is meant to change, e.g. the model
         an optimizer step updates). What comes back is then checked for aliasing (``check_no_aliasing``)."""
         self._mark("inputs")
+        self._mark("aliasing")
         what = what or getattr(fn, "__name__", "the answer")
         named = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
         before = {key: _snapshot(a) for key, a in named if key not in mutable}
@@ -396,6 +405,8 @@ def _holds(value, marker: torch.Tensor, depth: int = 0) -> bool:
         return any(_holds(v, marker, depth + 1) for v in value.values())
     if isinstance(value, (list, tuple)):
         return any(_holds(v, marker, depth + 1) for v in value)
+    if isinstance(value, (bytes, bytearray)):   # a pickled blob (lablib's per_rank): the tensor's bytes are in it
+        return bytes(marker.numpy()) in value
     if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)):
         return any(_holds(v, marker, depth + 1) for v in vars(value).values())
     return False
@@ -468,9 +479,16 @@ def _difference(before, after, path: str = "") -> str | None:
         return None
     if isinstance(before, (int, float, str, bytes, bool, type(None))):
         return None if before == after else f"{where} changed from {before!r} to {after!r}"
-    if hasattr(before, "__dict__") and hasattr(after, "__dict__"):
-        return _difference(dict(vars(before)), dict(vars(after)), path + ".__dict__")
-    return None
+    if hasattr(before, "__array__") and hasattr(after, "__array__"):       # NumPy arrays and scalars
+        import numpy as np
+        return None if np.array_equal(before, after, equal_nan=True) else f"{where}'s values changed in place"
+    if type(before).__eq__ is not object.__eq__:
+        # A type that says what equal means (a dataclass, a DeviceMesh): its own comparison, not its attributes, which
+        # may include caches filled on first use (DeviceMesh's hash).
+        same = before == after
+        if isinstance(same, bool):
+            return None if same else f"{where} changed from {before!r} to {after!r}"
+    return None     # an object with no equality of its own (a DataLoader): only its replacement is seen, by the caller
 
 
 def _spans(value, depth: int = 0) -> list:
@@ -479,11 +497,17 @@ def _spans(value, depth: int = 0) -> list:
     if depth > 6:
         return []
     if isinstance(value, torch.Tensor):
+        if hasattr(value, "to_local"):          # a DTensor: the memory is its local shard's
+            value = value.to_local()
         if value.numel() == 0 or value.device.type == "meta":
+            return []
+        try:
+            storage = value.untyped_storage().data_ptr()
+        except RuntimeError:                    # a tensor subclass without storage of its own
             return []
         first = value.data_ptr()
         reach = sum((n - 1) * abs(st) for n, st in zip(value.shape, value.stride())) + 1
-        return [(str(value.device), value.untyped_storage().data_ptr(), first, first + reach * value.element_size())]
+        return [(str(value.device), storage, first, first + reach * value.element_size())]
     if isinstance(value, torch.nn.Module):
         return [s for t in value.state_dict(keep_vars=True).values() for s in _spans(t, depth + 1)]
     if isinstance(value, dict):

@@ -316,3 +316,46 @@ def test_the_table_covers_every_exercise_of_the_routed_labs_and_the_report_lists
     assert all(f"{lab} | {name} |" in text for lab, name in hidden_kinds.EXERCISES)
     with pytest.raises(KeyError, match="not in instructor/hidden_kinds.py's table"):
         hidden_kinds.hidden("99_test", "nothing")
+
+
+def test_inputs_compares_objects_by_their_own_equality_not_their_caches():
+    from dataclasses import dataclass
+
+    import numpy as np
+
+    @dataclass
+    class Env:
+        rank: int
+
+    class Cached:
+        """Equal by value; a hash filled on first use (as DeviceMesh's) is not a change."""
+
+        def __init__(self):
+            self.value, self._hash = 3, None
+
+        def __eq__(self, other):
+            return self.value == other.value
+
+        def __hash__(self):
+            self._hash = self._hash or hash(self.value)
+            return self._hash
+
+    hk = _check()
+    hk.call(lambda c: hash(c), Cached())
+    with pytest.raises(CheckFailed, match="changed"):
+        hk.call(lambda c: setattr(c, "value", 4), Cached())
+    with pytest.raises(CheckFailed, match="changed"):
+        hk.call(lambda e: object.__setattr__(e, "rank", 1), Env(0))
+    with pytest.raises(CheckFailed, match="values changed in place"):
+        hk.call(lambda a: a.__imul__(2), np.arange(3))
+    hk.call(lambda a: a * 2, np.arange(3))
+
+
+def test_device_state_is_found_inside_a_pickled_blob():
+    import pickle
+
+    hk = _check(("device_state",))
+    blob = {"rng": pickle.dumps([{"cuda": [HiddenCheck.CUDA_MARKER.clone()]}])}   # as lablib's per_rank stores it
+    hk.check_device_state_present(blob, "a pickled per-rank state")
+    with pytest.raises(CheckFailed, match="is not in it"):
+        hk.check_device_state_present({"rng": pickle.dumps([{"cuda": []}])}, "a pickled per-rank state")
