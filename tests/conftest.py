@@ -25,8 +25,8 @@ if "LABLIB_SHAKESPEARE" not in os.environ and SHARED_TEXT.is_file():
 #   system: the browser, JupyterLab, Slurm, grading a class, several nodes, the student repository.
 # `launchers/test --fast` runs unit and ranks (-m "unit or ranks"); a new test file is added here, or collection fails.
 TIERS = {
-    "unit": ["test_checks", "test_config", "test_data", "test_layout", "test_models", "test_plots", "test_lablib_commcost",
-             "test_lablib_cp", "test_lablib_ep_probes", "test_lablib_memory_timeline"],
+    "unit": ["test_checks", "test_config", "test_data", "test_hidden_kinds", "test_layout", "test_models", "test_plots",
+             "test_lablib_commcost", "test_lablib_cp", "test_lablib_ep_probes", "test_lablib_memory_timeline"],
     "ranks": ["test_distenv", "test_launch", "test_teardown", "test_lablib_benchmark", "test_lablib_checkpointing",
               "test_lablib_counting", "test_lablib_ddp_scratch", "test_lablib_memory", "test_lablib_p2p",
               "test_lablib_pipeline_probes", "test_lablib_scaling", "test_lablib_strategies", "test_lablib_timing",

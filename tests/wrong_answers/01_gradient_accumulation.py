@@ -84,6 +84,38 @@ WRONG_ANSWERS = {
     optimizer.zero_grad()
     return total
 '''),
+        ("consumes the caller's list: pops each micro-batch off it (the caller's batch is gone after the call)",
+         _ACCUM_HEADER + '''
+    n = sum(len(x) for x, _ in micro_batches)
+    optimizer.zero_grad()
+    total = 0.0
+    while micro_batches:
+        x, y = micro_batches.pop(0)
+        ctx = model.no_sync() if hasattr(model, "no_sync") and micro_batches else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) * len(x) / n
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+'''),
+        ("scales the gradients with a hook registered on every call: the hooks pile up on the same model", _ACCUM_HEADER + '''
+    n = sum(len(x) for x, _ in micro_batches)
+    optimizer.zero_grad()
+    weight = {"now": 1.0}
+    for p in model.parameters():
+        p.register_hook(lambda g: g * weight["now"])
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        weight["now"] = len(x) / n
+        ctx = model.no_sync() if hasattr(model, "no_sync") and i < len(micro_batches) - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        total += loss.item() * len(x) / n
+    optimizer.step()
+    return total
+'''),
         ("steps the optimizer after every micro-batch", _ACCUM_HEADER + '''
     n = sum(len(x) for x, _ in micro_batches)
     total = 0.0
@@ -118,6 +150,18 @@ def microbatch_loss(logits, targets, n_tokens_total, ignore_index=-100):
     mask = targets.reshape(-1) != -100
     losses = F.cross_entropy(logits.reshape(-1, logits.size(-1))[mask], targets.reshape(-1)[mask], reduction="sum")
     return losses / n_tokens_total
+'''),
+        ("a log of a softmax instead of a log-softmax: -inf for logits far from zero", '''
+def microbatch_loss(logits, targets, n_tokens_total, ignore_index=-100):
+    logp = torch.log(torch.softmax(logits, dim=-1)).reshape(-1, logits.size(-1))
+    return F.nll_loss(logp, targets.reshape(-1), ignore_index=ignore_index, reduction="sum") / n_tokens_total
+'''),
+        ("subtracts the max from the caller's logits in place (for stability): the caller's tensor is changed", '''
+def microbatch_loss(logits, targets, n_tokens_total, ignore_index=-100):
+    logits -= logits.max(dim=-1, keepdim=True).values.detach()
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index,
+                               reduction="sum")
+    return loss_sum / n_tokens_total
 '''),
     ],
     "bn_answer": [

@@ -140,6 +140,22 @@ def mean_across_ranks(value, env):
     dist.reduce(total, dst=0)
     return total.item() / env.world_size if env.rank == 0 else value.item()
 '''),
+        ("all-reduces the caller's tensor in place (value.detach() shares its memory): the caller's value becomes the sum",
+         _DDP_HEADER + _WRAP + _LOADER + _EPOCH + '''
+
+def mean_across_ranks(value, env):
+    total = value.detach()
+    dist.all_reduce(total)
+    return total.item() / env.world_size
+'''),
+        ("gives the sampler the rank within the node: ranks of the second node get the first node's shards",
+         _DDP_HEADER + _WRAP + '''
+
+def make_loader(dataset, batch_size, env, seed):
+    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.local_rank, shuffle=True, seed=seed,
+                                 drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+''' + _EPOCH + _MEAN),
     ],
     "apply_fsdp": [
         ("only fully_shard at the root: the whole model is one unit, all-gathered at once", _FSDP_HEADER + '''
@@ -151,6 +167,21 @@ def mean_across_ranks(value, env):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
+    return model
+'''),
+        ("ignores the mesh argument: fully_shard's default mesh over all ranks (wrong for HSDP or any sub-mesh)",
+         _FSDP_HEADER + '''
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+'''),
+        ("passes the mesh to the root only: the blocks are sharded over the default mesh", _FSDP_HEADER + '''
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 '''),
         ("no mixed-precision policy: computes in fp32", _FSDP_HEADER + '''

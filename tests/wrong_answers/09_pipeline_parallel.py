@@ -132,11 +132,21 @@ def gpipe_schedule(n_stages, n_microbatches):
 def one_f_one_b_schedule(n_stages, n_microbatches):
     return _SHOWN.get(("1f1b", n_stages, n_microbatches)) or _fallback(n_stages, n_microbatches)
 '''),
+        ("GPipe: one list object for every rank ([ops] * p): a caller that consumes one rank's list empties them all",
+         _changed("schedules", ("    return [list(one_rank) for _ in range(n_stages)]\n", "    return [one_rank] * n_stages\n"))),
+        ("1F1B memoised with functools.lru_cache: every call returns the same lists, emptied by the first caller",
+         _changed("schedules", ("def one_f_one_b_schedule(n_stages, n_microbatches):\n",
+                                "import functools\n\n\n@functools.lru_cache(maxsize=None)\n"
+                                "def one_f_one_b_schedule(n_stages, n_microbatches):\n"))),
     ],
     "pipeline_engine": [
         ("blocking dist.send: 1F1B's steady state deadlocks", _changed(
             "pipeline_engine", ("sends.append(dist.isend(outputs[j].detach(), dst=rank + 1))", "dist.send(outputs[j].detach(), dst=rank + 1)"),
             ("sends.append(dist.isend(x.grad, dst=rank - 1))", "dist.send(x.grad, dst=rank - 1)"))),
+        ("takes the micro-batches off the caller's lists (pop): the caller's batch is gone after the step", _changed(
+            "pipeline_engine", ("                x = micro_inputs[j].to(device)\n", "                x = micro_inputs.pop(0).to(device)\n"),
+            ("                loss = stage(x, micro_targets[j].to(device))\n",
+             "                loss = stage(x, micro_targets.pop(0).to(device))\n"))),
     ],
     "bubble_formulas": [
         ("GPipe that frees activations before their backward (one micro-batch held)", _changed(

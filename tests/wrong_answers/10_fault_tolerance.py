@@ -32,6 +32,16 @@ WRONG_ANSWERS = {
         # the same mistake (the sampler, Python's random, the schedule or the step not restored; the optimizer
         # built before the model is sharded), the course's own is left out; numpy's generator once (not restored).
         ("the random generators are saved but not restored", _changed("app_state", (_RESTORE_RNG, ""))),
+        # Caught only on a GPU, or by the check that the GPU's state is there (instructor/hidden_kinds.py: a CPU run
+        # shows the answer a GPU whose generator state is a marker): dropout on a GPU draws from the CUDA generators.
+        ("the GPU's generators are not saved: a CPU run cannot tell, a resumed GPU run draws other dropout masks",
+         _changed("app_state", ('               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}',
+                                '               }'),
+                  ('            if rng["cuda"] and torch.cuda.is_available():\n                torch.cuda.set_rng_state_all(rng["cuda"])\n',
+                   ""))),
+        ("the GPU's generators are saved but never restored", _changed(
+            "app_state", ('            if rng["cuda"] and torch.cuda.is_available():\n                torch.cuda.set_rng_state_all(rng["cuda"])\n',
+                          ""))),
         ("numpy's generator is not restored: the token noise differs", _changed(
             "app_state", ('            np.random.set_state(rng["numpy"])\n', ""))),
         # Caught only by the reshard (2 ranks saved, 1 rank resumes): exact at the same world size

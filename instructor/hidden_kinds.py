@@ -1,0 +1,541 @@
+"""The hidden cases every exercise gets, from one place (instructor-only: lablib never imports this).
+
+A graded exercise's hidden test cell opens one ``HiddenCheck`` for its exercise and drives the student's answer
+through it. The kinds of mistake that kept full marks across the course are applied here, the same way in every
+lab, instead of each lab remembering (or forgetting) them:
+
+=============  ===========================================================================================
+kind           what the check does
+=============  ===========================================================================================
+inputs         every argument is deep-copied before the call and compared after it (a list consumed in
+               place, a tensor normalised in place, an all-reduce run on the caller's tensor)
+aliasing       a returned container holds one object per entry (not one object for every rank), and what
+               comes back shares no storage with an argument it was not meant to return
+steps          the student's object is driven for three steps with a check after each (a counter, buffer,
+               work handle or mutable default that is never reset is wrong from the second step on)
+gradients      a step that starts from ``zero_grad(set_to_none=False)``'s zero tensors and one that starts
+               from gradients accumulated over several backwards (an answer that relies on ``.grad is None``)
+readiness      parameters become ready in an order that differs from their registration order
+extremes       inputs scaled to extremes (logits far from zero: a log of a softmax instead of a log-softmax)
+topology       a non-default mesh or group, and a simulated second node whose local ranks differ from the ranks
+device_state   state that exists only on a GPU (CUDA generators) is checked to be present by its keys
+=============  ===========================================================================================
+
+``inputs``, ``aliasing`` and ``steps`` apply to every exercise that is code; the others apply where the exercise
+has the trait behind them (it touches gradients, launches communication, computes numerics, takes a mesh, group
+or rank, saves device state). An exercise leaves a kind out only with a stated reason, in ``EXERCISES`` below;
+``HiddenCheck.done()`` fails the hidden cell (so the solution loses its points in CI) when a kind the table
+requires was not applied. ``python -m instructor.hidden_kinds`` prints the instructor's report: per exercise,
+the kinds applied and each opt-out with its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from lablib import checks
+
+KINDS: dict[str, str] = {
+    "inputs": "arguments deep-copied before the call and compared after it",
+    "aliasing": "returned containers checked for aliasing (one object per entry, no storage shared with an argument)",
+    "steps": "the answer driven for three steps, a check after each",
+    "gradients": "a step from zero_grad(set_to_none=False) and one from gradients accumulated over several backwards",
+    "readiness": "a readiness order that differs from the registration order",
+    "extremes": "inputs scaled to extremes",
+    "topology": "a non-default mesh or group and a simulated second node (local rank != rank)",
+    "device_state": "GPU-only state checked to be present (by its keys; a CPU run cannot see the values)",
+}
+ALWAYS = ("inputs", "aliasing", "steps")
+TRAIT_KINDS = {"gradients": "gradients", "communication": "readiness", "numerics": "extremes",
+               "topology": "topology", "device_state": "device_state"}
+STEPS = 3
+# Scales for "extremes": tiny values near float32's resolution of 1, and values far from zero (a softmax of logits
+# a few hundred apart underflows to exactly 0 in float32 below exp(-103.9), so its logarithm is -inf).
+EXTREME_SCALES = (1e-3, 1e2, 1e3)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One graded exercise: the traits that decide which kinds apply, and the kinds it leaves out, each with why.
+    value_answer: the exercise is a value (a multiple-choice letter, a dict of picks), not code: nothing is called,
+    so no kind applies (``why_value`` says so in the report)."""
+
+    lab: str
+    name: str
+    traits: frozenset = frozenset()
+    opt_out: dict = field(default_factory=dict)
+    value_answer: bool = False
+
+    def __post_init__(self):
+        unknown = set(self.traits) - set(TRAIT_KINDS)
+        if unknown:
+            raise ValueError(f"{self.lab}/{self.name}: unknown traits {sorted(unknown)}; known: {sorted(TRAIT_KINDS)}")
+        for kind, reason in self.opt_out.items():
+            if kind not in KINDS:
+                raise ValueError(f"{self.lab}/{self.name}: opts out of unknown kind {kind!r}; kinds: {sorted(KINDS)}")
+            if not isinstance(reason, str) or len(reason.split()) < 4:
+                raise ValueError(f"{self.lab}/{self.name}: opting out of {kind!r} needs a stated reason (a sentence), "
+                                 f"got {reason!r}")
+        extra = set(self.opt_out) - set(self.applicable)
+        if extra:
+            raise ValueError(f"{self.lab}/{self.name}: opts out of {sorted(extra)}, which do not apply to it anyway")
+
+    @property
+    def applicable(self) -> tuple[str, ...]:
+        if self.value_answer:
+            return ()
+        return tuple(k for k in KINDS if k in ALWAYS or k in {TRAIT_KINDS[t] for t in self.traits})
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return tuple(k for k in self.applicable if k not in self.opt_out)
+
+
+def _ex(lab, name, traits=(), value_answer=False, **opt_out) -> Exercise:
+    return Exercise(lab, name, frozenset(traits), dict(opt_out), value_answer)
+
+
+# Every routed exercise, with its traits and opt-outs (the reasons are printed in the instructor's report).
+_TABLE = [
+    _ex("01_gradient_accumulation", "accumulation_step", ("gradients", "communication"),
+        readiness="the answer only chooses when DDP's reducer syncs (no_sync); it launches no collective itself, "
+                  "and the hidden 3-rank torchrun run counts the reducer's all-reduces"),
+    _ex("01_gradient_accumulation", "microbatch_loss", ("numerics",)),
+    _ex("01_gradient_accumulation", "bn_answer", value_answer=True),
+    _ex("01_gradient_accumulation", "lr_scaling",
+        steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
+              "fresh step"),
+    _ex("05_gpt_migration", "ddp_parts", ("communication", "topology"),
+        readiness="mean_across_ranks issues one all-reduce of one tensor and DDP's own reducer launches the gradient "
+                  "all-reduces: no bucket whose readiness order the answer could depend on"),
+    _ex("05_gpt_migration", "apply_fsdp", ("topology",),
+        steps="applying FSDP2 is one call; the torchrun runs train the result for several steps and count its "
+              "collectives per step"),
+    _ex("05_gpt_migration", "pick_strategy", value_answer=True),
+    _ex("09_pipeline_parallel", "schedules"),
+    _ex("09_pipeline_parallel", "pipeline_engine", ("communication",),
+        readiness="the order of the sends is the schedule the test passes (GPipe, 1F1B and other cases, a different "
+                  "order per rank): the engine must follow it, it chooses no order of its own"),
+    _ex("09_pipeline_parallel", "bubble_formulas",
+        steps="two pure functions of integers: nothing is kept between calls, so every drawn hidden case is a fresh "
+              "step"),
+    _ex("09_pipeline_parallel", "microbatch_answer", value_answer=True),
+    _ex("10_fault_tolerance", "app_state", ("device_state",),
+        inputs="start() owns what it is given: it shards the model in place and the AppState keeps the sampler the "
+               "run steps; the graded runs compare every step with an uninterrupted run instead",
+        aliasing="a state_dict hands DCP the live parameters and optimizer state by design (get_state_dict returns "
+                 "them, not copies) and DCP loads into them in place",
+        steps="the precheck and the graded torchrun run train six and more steps, stop or are killed, resume and "
+              "compare every step with the uninterrupted run bit for bit"),
+    _ex("10_fault_tolerance", "young_daly", ("numerics",),
+        steps="three pure functions of numbers: nothing is kept between calls, so every hidden case is a fresh step"),
+    _ex("10_fault_tolerance", "per_rank_answer", value_answer=True),
+]
+EXERCISES: dict[tuple[str, str], Exercise] = {(e.lab, e.name): e for e in _TABLE}
+
+
+class HiddenCheck:
+    """The hidden cases of one exercise. Use every applicable kind, then call ``done()`` (or use it as a context
+    manager): a kind the table requires and the cell never applied is an error in the hidden test, not the
+    student's (the solution then loses its points, which CI reports)."""
+
+    def __init__(self, exercise: Exercise):
+        self.exercise = exercise
+        self.applied: set[str] = set()
+        self._lock = threading.Lock()
+
+    # --- bookkeeping ---------------------------------------------------------------------------------------
+    def _mark(self, kind: str) -> None:
+        if kind not in self.exercise.applicable:
+            raise RuntimeError(f"hidden test of {self.exercise.name}: kind {kind!r} does not apply to it "
+                               f"(traits {sorted(self.exercise.traits)}); add the trait in instructor/hidden_kinds.py")
+        with self._lock:
+            self.applied.add(kind)
+
+    def stepped_aside(self, kinds: tuple[str, ...], why: str) -> None:
+        """The harness that applies ``kinds`` did not run this answer (e.g. a thread rehearsal that cannot stand in
+        for a collective the answer bound by name): they count as applied, and done() prints why they were not."""
+        for kind in kinds:
+            self._mark(kind)
+        self.aside = getattr(self, "aside", []) + [f"{', '.join(kinds)} stepped aside ({why})"]
+
+    def done(self) -> None:
+        missing = [k for k in self.exercise.required if k not in self.applied]
+        if missing:
+            raise RuntimeError(f"hidden test of {self.exercise.lab}/{self.exercise.name} never applied "
+                               f"{missing} (instructor/hidden_kinds.py requires them; opt out with a reason there)")
+        print(f"[hidden kinds] {self.exercise.name}: applied {', '.join(sorted(self.applied)) or 'none'}"
+              + "".join(f"; {k} left out ({r})" for k, r in self.exercise.opt_out.items())
+              + "".join(f"; {a}" for a in getattr(self, "aside", [])))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.done()
+        return False
+
+    # --- inputs and aliasing -------------------------------------------------------------------------------
+    def call(self, fn: Callable, *args, mutable: tuple = (), what: str = "", **kwargs):
+        """fn(*args, **kwargs) with every argument deep-copied before and compared after the call, except those
+        named in ``mutable`` (positions or keyword names: what the exercise is meant to change, e.g. the model
+        an optimizer step updates). What comes back is then checked for aliasing (``check_no_aliasing``)."""
+        self._mark("inputs")
+        self._mark("aliasing")
+        what = what or getattr(fn, "__name__", "the answer")
+        named = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
+        before = {key: _snapshot(a) for key, a in named if key not in mutable}
+        result = fn(*args, **kwargs)
+        for key, a in named:
+            if key in mutable:
+                continue
+            diff = _difference(before[key], a)
+            label = f"argument {key}" if isinstance(key, int) else f"argument {key}="
+            checks.check_true(diff is None, f"{what} changed the caller's {label} ({diff})",
+                              hint="work on a copy (or a new tensor): the caller still uses what it passed")
+        self.check_no_aliasing(result, args=[a for key, a in named if key not in mutable], what=what)
+        return result
+
+    def check_no_aliasing(self, result, args=(), what: str = "the answer", per_entry: bool = True) -> None:
+        """``result``'s entries (a list, tuple or dict: one per rank, step or bucket) are distinct objects that share
+        no tensor storage with each other, and nothing in it shares storage with ``args``."""
+        self._mark("aliasing")
+        entries = list(result.values()) if isinstance(result, dict) else list(result) \
+            if isinstance(result, (list, tuple)) else []
+        if per_entry:
+            mutable_entries = [(i, e) for i, e in enumerate(entries) if not isinstance(e, (int, float, str, bool, bytes,
+                                                                                           type(None), tuple))]
+            seen: dict[int, int] = {}
+            for i, e in mutable_entries:
+                j = seen.setdefault(id(e), i)
+                checks.check_true(j == i, f"{what} returned one object for entries {j} and {i} (each needs its own)",
+                                  hint="build a new object per entry, e.g. [make() for _ in range(n)], not [obj] * n")
+            spans = [(i, span) for i, e in enumerate(entries) for span in _spans(e)]
+            for a, (i, x) in enumerate(spans):
+                for j, y in spans[a + 1:]:
+                    checks.check_true(i == j or not _overlap(x, y),
+                                      f"{what} returned entries {i} and {j} sharing one tensor's memory",
+                                      hint="each entry needs its own tensor (clone it)")
+        given = [span for a in args for span in _spans(a)]
+        shared = any(_overlap(x, y) for x in _spans(result) for y in given)
+        checks.check_true(not shared, f"{what} returned a tensor that shares memory with one of its arguments",
+                          hint="return a new tensor (clone), not a view of what the caller passed")
+
+    # --- steps ---------------------------------------------------------------------------------------------
+    def steps(self, step: Callable[[int], object], check: Callable[[int, object], None], n: int = STEPS) -> list:
+        """step(i) then check(i, its result) for i = 0..n-1 on the same student object; a failure names the step."""
+        if n < STEPS:
+            raise ValueError(f"steps needs at least {STEPS} steps (a state reset only at the first shows from the "
+                             f"second; one that grows shows by the third), got {n}")
+        self._mark("steps")
+        out = []
+        for i in range(n):
+            result = step(i)
+            try:
+                check(i, result)
+            except checks.CheckFailed as exc:
+                raise checks.CheckFailed(f"step {i + 1} of {n} on the same object: {exc}") from None
+            out.append(result)
+        return out
+
+    # --- gradients -----------------------------------------------------------------------------------------
+    GRADIENT_STARTS = ("set_to_none=False", "accumulated")
+
+    def gradient_starts(self) -> Iterator[str]:
+        """The two states a training loop may leave .grad in besides None: yields each name; prepare the model with
+        ``leave_gradients`` inside the loop. The kind counts as applied once both were visited."""
+        for start in self.GRADIENT_STARTS:
+            yield start
+        self._mark("gradients")
+
+    @staticmethod
+    def leave_gradients(model: torch.nn.Module, start: str, loss: Callable[[], torch.Tensor]) -> None:
+        """Leave .grad as a loop would: "set_to_none=False": a backward, then zero_grad(set_to_none=False) (zero
+        tensors, not None); "accumulated": two backwards of ``loss()`` and no clearing (stale sums)."""
+        if start not in HiddenCheck.GRADIENT_STARTS:
+            raise ValueError(f"start must be one of {HiddenCheck.GRADIENT_STARTS}, got {start!r}")
+        loss().backward()
+        if start == "set_to_none=False":
+            model.zero_grad(set_to_none=False)
+        else:
+            loss().backward()
+
+    # --- readiness -----------------------------------------------------------------------------------------
+    def readiness_orders(self, n: int, seed: int = 0) -> list[list[int]]:
+        """Orders of n items in which they become ready, none equal to registration order 0..n-1: the reverse
+        (what autograd usually does) and a seeded shuffle that is neither forward nor reverse (n >= 3)."""
+        if n < 2:
+            raise ValueError(f"a readiness order needs at least 2 items, got {n}")
+        self._mark("readiness")
+        orders = [list(range(n))[::-1]]
+        if n >= 3:
+            rng, order = random.Random(seed), list(range(n))
+            while order in (list(range(n)), orders[0]):
+                rng.shuffle(order)
+            orders.append(order)
+        return orders
+
+    # --- extremes ------------------------------------------------------------------------------------------
+    def extremes(self, x: torch.Tensor, scales=EXTREME_SCALES) -> Iterator[tuple[str, torch.Tensor]]:
+        """(label, x * scale) for each scale; the kind counts as applied once every scale was visited."""
+        for s in scales:
+            yield f"inputs scaled by {s:g}", (x.detach() * s).requires_grad_(x.requires_grad)
+        self._mark("extremes")
+
+    # --- topology ------------------------------------------------------------------------------------------
+    def second_node(self, world_size: int = 4, nodes: int = 2, device: str = "cpu", backend: str = "gloo") -> list:
+        """DistEnvs of every rank of ``nodes`` nodes with world_size // nodes ranks each: on every node but the
+        first, local_rank != rank (an answer that uses one for the other is wrong only there)."""
+        from lablib.jobs.distenv import DistEnv
+
+        if world_size % nodes or world_size // nodes < 1:
+            raise ValueError(f"world_size {world_size} does not split into {nodes} equal nodes")
+        self._mark("topology")
+        per_node = world_size // nodes
+        return [DistEnv(r, r % per_node, world_size, per_node, torch.device(device), backend) for r in range(world_size)]
+
+    def named_mesh(self, name: str = "hidden_dp"):
+        """A 1-D DeviceMesh over this process's world whose dimension has a name no default mesh has: an answer
+        that ignores the mesh it is given builds its own (unnamed) one. Needs a process group."""
+        from torch.distributed.device_mesh import init_device_mesh
+        import torch.distributed as dist
+
+        self._mark("topology")
+        return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(name,))
+
+    # --- device state --------------------------------------------------------------------------------------
+    CUDA_MARKER = torch.frombuffer(bytearray(b"hidden:cuda-rng!"), dtype=torch.uint8)   # 16 bytes, as Philox's state
+
+    @contextlib.contextmanager
+    def fake_cuda_generators(self, module) -> Iterator[list]:
+        """Inside the block, the student's ``module`` sees a machine with one GPU whose generator state is
+        ``CUDA_MARKER``: its ``torch.cuda`` (and ``torch.cuda.random``) answer is_available() True, device_count() 1,
+        get_rng_state(_all) the marker; set_rng_state(_all) calls are recorded in the list yielded. Only the student's
+        module is changed (its global ``torch`` is a stand-in), so torch's own code still runs on the CPU."""
+        restored: list = []
+        fake = _FakeCuda(self.CUDA_MARKER, restored)
+        saved = dict(vars(module))
+        module.torch = _TorchWithCuda(torch, fake)
+        for name, value in saved.items():
+            if value is torch.cuda or value is torch.cuda.random:
+                setattr(module, name, fake)
+            elif callable(value) and getattr(value, "__module__", "") in ("torch.cuda.random", "torch.cuda") and \
+                    hasattr(_FakeCuda, getattr(value, "__name__", "")):
+                setattr(module, name, getattr(fake, value.__name__))
+        try:
+            yield restored
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+
+    def check_device_state_present(self, state, what: str, restored: list | None = None) -> None:
+        """``state`` (what the answer saves) holds the GPU generator state that ``fake_cuda_generators`` showed it;
+        with ``restored`` (that block's list), the answer also put it back. A CPU run can check no more: the values
+        exist only on a GPU."""
+        self._mark("device_state")
+        checks.check_true(_holds(state, self.CUDA_MARKER), f"{what}: the GPU's random generator state is not in it "
+                          f"(on a machine with a GPU)", hint="save torch.cuda's generator states whenever a GPU is "
+                          "there (torch.cuda.get_rng_state_all()); a CPU run cannot see their values, a GPU run needs them")
+        if restored is not None:
+            checks.check_true(any(_holds(r, self.CUDA_MARKER) for r in restored),
+                              f"{what}: loading it did not restore the GPU's random generator state",
+                              hint="torch.cuda.set_rng_state_all(...) with what was saved, when a GPU is there")
+
+
+class _FakeCuda:
+    """torch.cuda as the student's module sees it inside fake_cuda_generators (also standing in for torch.cuda.random)."""
+
+    def __init__(self, marker: torch.Tensor, restored: list):
+        self._marker, self._restored = marker, restored
+        self.random = self
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def get_rng_state(self, device="cuda"):
+        return self._marker.clone()
+
+    def get_rng_state_all(self):
+        return [self._marker.clone()]
+
+    def set_rng_state(self, new_state, device="cuda"):
+        self._restored.append(new_state)
+
+    def set_rng_state_all(self, new_states):
+        self._restored.append(list(new_states))
+
+    def manual_seed(self, seed):
+        pass
+
+    manual_seed_all = manual_seed
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchWithCuda:
+    """The torch module with another torch.cuda: what the student's module calls ``torch`` inside the block."""
+
+    def __init__(self, real, cuda):
+        self._real, self.cuda = real, cuda
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _holds(value, marker: torch.Tensor, depth: int = 0) -> bool:
+    """Whether a tensor equal to marker is somewhere in value (containers, and objects through their attributes)."""
+    if depth > 8:
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.shape == marker.shape and value.dtype == marker.dtype and torch.equal(value.cpu(), marker)
+    if isinstance(value, dict):
+        return any(_holds(v, marker, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds(v, marker, depth + 1) for v in value)
+    if isinstance(value, (bytes, bytearray)):   # a pickled blob (lablib's per_rank): the tensor's bytes are in it
+        return bytes(marker.numpy()) in value
+    if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)):
+        return any(_holds(v, marker, depth + 1) for v in vars(value).values())
+    return False
+
+
+def hidden(lab: str, name: str) -> HiddenCheck:
+    """The one entry point of a hidden test cell: ``with hidden("01_...", "accumulation_step") as hk: ...``."""
+    try:
+        return HiddenCheck(EXERCISES[(lab, name)])
+    except KeyError:
+        raise KeyError(f"{lab}/{name} is not in instructor/hidden_kinds.py's table: add it with its traits") from None
+
+
+# --- comparison helpers ------------------------------------------------------------------------------------
+def _snapshot(value):
+    """A copy to compare with later: tensors detached and cloned (a non-leaf tensor refuses deepcopy), containers
+    rebuilt, anything else deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_snapshot(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _snapshot(v) for k, v in value.items()}
+    try:
+        return copy.deepcopy(value)
+    except Exception as exc:  # noqa: BLE001 - an argument that cannot be copied is compared by identity only
+        return _Uncopyable(value, exc)
+
+
+@dataclass
+class _Uncopyable:
+    value: object
+    error: Exception
+
+
+def _difference(before, after, path: str = "") -> str | None:
+    """A short description of the first difference between a snapshot and the object now, or None."""
+    where = path or "it"
+    if isinstance(before, _Uncopyable):
+        return None if before.value is after else f"{where} was replaced"
+    if isinstance(before, torch.Tensor):
+        if not isinstance(after, torch.Tensor):
+            return f"{where} is no longer a tensor"
+        if before.shape != after.shape or before.dtype != after.dtype:
+            return f"{where} changed from {tuple(before.shape)} {before.dtype} to {tuple(after.shape)} {after.dtype}"
+        if not torch.equal(torch.nan_to_num(before.detach()), torch.nan_to_num(after.detach())) or \
+                not torch.equal(before.detach().isnan(), after.detach().isnan()):
+            return f"{where}'s values changed in place"
+        return None
+    if isinstance(before, torch.nn.Module):
+        b, a = before.state_dict(), after.state_dict()
+        return _difference(dict(b), dict(a), path + ".state_dict()")
+    if isinstance(before, (list, tuple)):
+        if type(before) is not type(after) or len(before) != len(after):
+            return f"{where} had {len(before)} entries, now {len(after) if hasattr(after, '__len__') else '?'}"
+        for i, (x, y) in enumerate(zip(before, after)):
+            d = _difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    if isinstance(before, dict):
+        if set(before) != set(after):
+            return f"{where}'s keys changed: {sorted(map(str, before))} -> {sorted(map(str, after))}"
+        for k in before:
+            d = _difference(before[k], after[k], f"{path}[{k!r}]")
+            if d:
+                return d
+        return None
+    if isinstance(before, float) and isinstance(after, float) and math.isnan(before) and math.isnan(after):
+        return None
+    if isinstance(before, (int, float, str, bytes, bool, type(None))):
+        return None if before == after else f"{where} changed from {before!r} to {after!r}"
+    if hasattr(before, "__array__") and hasattr(after, "__array__"):       # NumPy arrays and scalars
+        import numpy as np
+        return None if np.array_equal(before, after, equal_nan=True) else f"{where}'s values changed in place"
+    if type(before).__eq__ is not object.__eq__:
+        # A type that says what equal means (a dataclass, a DeviceMesh): its own comparison, not its attributes, which
+        # may include caches filled on first use (DeviceMesh's hash).
+        same = before == after
+        if isinstance(same, bool):
+            return None if same else f"{where} changed from {before!r} to {after!r}"
+    return None     # an object with no equality of its own (a DataLoader): only its replacement is seen, by the caller
+
+
+def _spans(value, depth: int = 0) -> list:
+    """(device, storage, first byte, end byte) of the memory each non-empty tensor in value can reach (lists, tuples,
+    dicts, modules): two tensors alias when their spans overlap (chunks of one new tensor do not)."""
+    if depth > 6:
+        return []
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "to_local"):          # a DTensor: the memory is its local shard's
+            value = value.to_local()
+        if value.numel() == 0 or value.device.type == "meta":
+            return []
+        try:
+            storage = value.untyped_storage().data_ptr()
+        except RuntimeError:                    # a tensor subclass without storage of its own
+            return []
+        first = value.data_ptr()
+        reach = sum((n - 1) * abs(st) for n, st in zip(value.shape, value.stride())) + 1
+        return [(str(value.device), storage, first, first + reach * value.element_size())]
+    if isinstance(value, torch.nn.Module):
+        return [s for t in value.state_dict(keep_vars=True).values() for s in _spans(t, depth + 1)]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _spans(v, depth + 1)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _spans(v, depth + 1)]
+    return []
+
+
+def _overlap(x: tuple, y: tuple) -> bool:
+    return x[:2] == y[:2] and x[2] < y[3] and y[2] < x[3]
+
+
+def report(lab: str | None = None) -> str:
+    """The instructor's table: per exercise, the kinds its hidden test applies and each opt-out with its reason."""
+    lines = ["lab | exercise | kinds applied | opt-outs (reason)", "---|---|---|---"]
+    for e in _TABLE:
+        if lab and e.lab != lab:
+            continue
+        if e.value_answer:
+            lines.append(f"{e.lab} | {e.name} | - | a value answer (no code is called): no kind applies")
+            continue
+        outs = "; ".join(f"{k}: {r}" for k, r in e.opt_out.items()) or "-"
+        lines.append(f"{e.lab} | {e.name} | {', '.join(e.required)} | {outs}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(report(sys.argv[1] if len(sys.argv) > 1 else None))
