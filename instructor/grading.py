@@ -230,12 +230,15 @@ def grade(lab: str, submissions: dict[str, Path], layout: CourseLayout | None = 
     return read_scores(lab, layout, results)
 
 
-INFRASTRUCTURE_ERRORS = ("RankKilledError",)
+# A rank killed by a signal, and the course's data set out of reach (lablib.course.data.DataUnavailableError, raised in
+# the notebook's kernel or, under torchrun, named in the RunError the kernel gets): the machine's failure, not the answer's.
+INFRASTRUCTURE_ERRORS = ("RankKilledError", "DataUnavailableError")
 
 
 def infrastructure_failures(notebook: Path) -> list[str]:
     """grade_ids of the graded cells in an autograded notebook that failed because of the machine (a rank
-    killed by a signal, lablib.jobs.launch.RankKilledError), not because of the answer."""
+    killed by a signal, lablib.jobs.launch.RankKilledError; the data set unreachable, DataUnavailableError), not
+    because of the answer."""
     import nbformat
 
     if not notebook.exists():
@@ -244,7 +247,8 @@ def infrastructure_failures(notebook: Path) -> list[str]:
     for cell in nbformat.read(notebook, as_version=4).cells:
         meta = cell.get("metadata", {}).get("nbgrader", {})
         if cell.cell_type == "code" and meta.get("grade") and any(
-                out.get("output_type") == "error" and out.get("ename") in INFRASTRUCTURE_ERRORS
+                out.get("output_type") == "error" and (out.get("ename") in INFRASTRUCTURE_ERRORS or any(
+                    f"{name}:" in out.get("evalue", "") for name in INFRASTRUCTURE_ERRORS))
                 for out in cell.get("outputs", [])):
             lost.append(meta.get("grade_id", "?"))
     return lost

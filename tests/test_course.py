@@ -38,16 +38,19 @@ def test_cells_lost_to_a_killed_rank_are_reported_not_graded(tmp_path):
     grade says so; a cell that failed with the student's own error is not."""
     import nbformat
 
-    def graded(grade_id, ename):
+    def graded(grade_id, ename, evalue="..."):
         cell = nbformat.v4.new_code_cell("launch.run(...)", metadata={"nbgrader": {"grade": True, "grade_id": grade_id}})
-        cell.outputs = [nbformat.v4.new_output("error", ename=ename, evalue="...", traceback=[])]
+        cell.outputs = [nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[])]
         return cell
 
-    nb = nbformat.v4.new_notebook(cells=[graded("test_ddp", "RankKilledError"), graded("test_loss", "AssertionError"),
-                                         nbformat.v4.new_code_cell("x = 1")])
+    nb = nbformat.v4.new_notebook(cells=[
+        graded("test_ddp", "RankKilledError"), graded("test_loss", "AssertionError"),
+        graded("test_data", "RunError", "step 'strategy_benchmark' on 2 ranks failed: rank 0: DataUnavailableError: "
+                                        "Tiny Shakespeare could not be downloaded"),
+        nbformat.v4.new_code_cell("x = 1")])
     path = tmp_path / "lab.ipynb"
     nbformat.write(nb, path)
-    assert course.infrastructure_failures(path) == ["test_ddp"]
+    assert course.infrastructure_failures(path) == ["test_ddp", "test_data"]
     assert course.infrastructure_failures(tmp_path / "missing.ipynb") == []
 
 

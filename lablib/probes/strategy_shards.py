@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -96,11 +97,16 @@ def refuse_layout_helpers():
                     and not (name.startswith("is_") or (name.startswith("__") and name.endswith("__"))):
                 used.append(f"{Path(frame.f_code.co_filename).name}:{name}")
 
+    # sys.setprofile watches this thread only; threading.setprofile every thread started inside the block (an
+    # answer that hands DTensor's helper to a worker thread is recorded too)
+    previous_threads = threading.getprofile()
     sys.setprofile(profile)
+    threading.setprofile(profile)
     try:
         yield used
     finally:
         sys.setprofile(previous)
+        threading.setprofile(previous_threads)
 
 
 def describe(mesh_shape, placements, global_shape) -> str:

@@ -146,6 +146,23 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
         full[tuple(slice(o, o + n) for o, n in zip(offset, shape))] = shard
     return full
 '''),
+        ("red team: DTensor's own layout function called from a worker thread (the guard once watched this thread "
+         "only)", '''
+import concurrent.futures as _cf
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+_POOL = _cf.ThreadPoolExecutor(1)
+
+
+def full_from_shards(shards, mesh_shape, placements, global_shape):
+    first = next(iter(shards.values()))
+    full = torch.empty(tuple(global_shape), dtype=first.dtype, device=first.device)
+    for coord, shard in shards.items():
+        shape, offset = _POOL.submit(_compute_local_shape_and_global_offset, tuple(global_shape), tuple(mesh_shape),
+                                     list(coord), list(placements)).result()
+        full[tuple(slice(o, o + n) for o, n in zip(offset, shape))] = shard
+    return full
+'''),
         ("cuts an index tensor with the notebook's own dtensor_shards and scatters (DTensor's layout, refused)", '''
 def full_from_shards(shards, mesh_shape, placements, global_shape):
     first = next(iter(shards.values()))
@@ -233,6 +250,11 @@ def full_from_shards(shards, mesh_shape, placements, global_shape):
             "planner", ("grads = gr * shard", "grads = gr * P"))),
         ("micro-batches counted over the global batch (B / mbs), not one rank's (B / (dp mbs))", _changed(
             "planner", ("m, b = B // (dp * mbs), mbs", "m, b = B // mbs, mbs"))),
+        ("red team: plan folds the reserve into the caller's cluster dict (no answer changes; the caller's dict does)",
+         _changed("planner", ('    limit = cluster["memory_bytes"] - cluster["reserve_bytes"]\n',
+                              '    limit = cluster["memory_bytes"] - cluster["reserve_bytes"]\n'
+                              '    cluster["memory_bytes"] -= cluster["reserve_bytes"]\n'
+                              '    cluster["reserve_bytes"] = 0\n'))),
     ],
 }
 
