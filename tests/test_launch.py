@@ -427,6 +427,18 @@ def test_unknown_option_and_bad_world_size_fail_before_starting():
     assert time.monotonic() - t0 < 5, "validation must not start torchrun"
 
 
+def test_every_step_name_is_one_run_script_in_a_lab_package_or_the_shared_folder():
+    """launch finds a step in lablib/labs/<lab>/run.py (named like the package), lablib/labs/<lab>/run_<step>.py, or
+    lablib/runs/<step>.py; a name claimed twice is refused (_step_files raises), so each name runs one file."""
+    root = Path(launch.__file__).parent.parent.parent
+    steps = launch.available_steps()
+    assert "hello" in steps and "context_parallel" in steps
+    for step in steps:
+        module = launch.step_module(step)
+        assert (root / Path(*module.split("."))).with_suffix(".py").is_file(), (step, module)
+        assert module.startswith(("lablib.labs.", "lablib.runs.")), module
+
+
 def test_a_released_stub_is_refused_before_anything_starts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "accum_impl.py").write_text(

@@ -44,19 +44,38 @@ from lablib.jobs.job import kill_run  # noqa: F401 - part of this module's inter
 from lablib.jobs.processes import RUN_MARKER  # noqa: F401 - part of this module's interface
 
 
-def available_steps() -> list[str]:
-    """Every step name: a lab package's ``run`` module (``lablib/labs/<step>/run.py``) or a shared
-    ``lablib/runs/<step>.py``."""
+def _step_files() -> dict[str, Path]:
+    """Step name -> its run script. A lab package holds its steps as ``run.py`` (the step named like the package)
+    or ``run_<step>.py`` (a lab with several steps); ``lablib/runs/<step>.py`` holds the shared ones (``hello``)."""
     root = Path(__file__).parent.parent
-    shared = {p.stem for p in (root / "runs").glob("*.py") if not p.stem.startswith("_")}
-    return sorted(shared | {p.parent.name for p in (root / "labs").glob("*/run.py")})
+    found: dict[str, list[Path]] = {}
+    for path in (root / "runs").glob("*.py"):
+        if not path.stem.startswith("_"):
+            found.setdefault(path.stem, []).append(path)
+    for path in (root / "labs").glob("*/run.py"):
+        found.setdefault(path.parent.name, []).append(path)
+    for path in (root / "labs").glob("*/run_*.py"):
+        found.setdefault(path.stem[len("run_"):], []).append(path)
+    clashes = {step: paths for step, paths in found.items() if len(paths) > 1}
+    if clashes:
+        raise RuntimeError("two run scripts claim one step name: " + "; ".join(
+            f"{step}: {', '.join(str(p.relative_to(root.parent)) for p in paths)}" for step, paths in clashes.items()))
+    return {step: paths[0] for step, paths in found.items()}
+
+
+def available_steps() -> list[str]:
+    """Every step name (see ``_step_files`` for where a step's run script lives)."""
+    return sorted(_step_files())
 
 
 def step_module(step: str) -> str:
-    """The module a step name runs: ``lablib.labs.<step>.run`` when the lab has a package, else ``lablib.runs.<step>``."""
-    if (Path(__file__).parent.parent / "labs" / step / "run.py").is_file():
-        return f"lablib.labs.{step}.run"
-    return f"lablib.runs.{step}"
+    """The module a step name runs: ``lablib.labs.<lab>.run`` or ``lablib.labs.<lab>.run_<step>`` when a lab's
+    package holds it, else ``lablib.runs.<step>``."""
+    path = _step_files().get(step)
+    if path is None:
+        return f"lablib.runs.{step}"
+    root = Path(__file__).parent.parent.parent
+    return ".".join(path.relative_to(root).with_suffix("").parts)
 
 
 def load_step(step: str):
