@@ -22,6 +22,11 @@ ensure_env() {
     say "Install Python 3.11, or point PYTHON at one: PYTHON=/path/to/python3.11 $0"
     exit 1
   fi
+  if [ -L "$VENV" ]; then
+    say "$VENV is a link to $(readlink -f "$VENV"), another checkout's environment; installing here would change it."
+    say "Remove the link (rm $VENV) and run the command again: this checkout gets an environment of its own."
+    exit 1
+  fi
   local t0=$SECONDS
   say "First run: creating the course environment in $VENV (one time, a few minutes)."
   [ -x "$VENV/bin/python" ] || "$PYTHON_BIN" -m venv "$VENV"
@@ -56,6 +61,13 @@ PY
 }
 
 ensure_env
+# A .venv borrowed from another checkout runs that checkout's lablib: say so (the install step above refuses to
+# install into a linked .venv, which would re-point the other checkout's environment at this one).
+lablib_home="$("$VENV/bin/python" -I -c 'import importlib.util as u; s = u.find_spec("lablib"); print(s.submodule_search_locations[0] if s else "")' 2>/dev/null || true)"
+if [ "$(cd "$lablib_home" 2>/dev/null && pwd -P)" != "$(cd "$REPO/lablib" && pwd -P)" ]; then
+  say "Note: $VENV runs lablib from ${lablib_home:-nowhere}, not from this checkout ($REPO/lablib); to run this"
+  say "checkout's code, remove $VENV (a link or a copy from elsewhere) and run the command again."
+fi
 export PATH="$VENV/bin:$PATH"
 export PYTHONNOUSERSITE=1
 # Tiny Shakespeare: use the copy next to the repository when there is one (CI, course machines).

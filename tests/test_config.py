@@ -46,3 +46,23 @@ def test_argv_forms():
         cfg.from_argv(Demo, ["--steps"])
     with pytest.raises(cfg.ConfigError, match="expected --name value pairs"):
         cfg.from_argv(Demo, ["7"])
+
+
+def test_setup_refuses_to_install_into_a_linked_venv(tmp_path):
+    """launchers/_setup.sh installs lablib editable into .venv; into a .venv linked from another checkout that would
+    re-point the other checkout's environment at this one. With a stale stamp (the files differ), it must refuse
+    before installing anything and say how to get an environment of its own."""
+    import subprocess
+    from pathlib import Path
+    REPO = Path(__file__).resolve().parent.parent
+    checkout, elsewhere = tmp_path / "checkout", tmp_path / "other-venv"
+    (checkout / "launchers").mkdir(parents=True)
+    elsewhere.mkdir()
+    for name in ("requirements.txt", "pyproject.toml", "launchers/_setup.sh"):
+        (checkout / name).write_bytes((REPO / name).read_bytes())
+    (checkout / ".venv").symlink_to(elsewhere)
+    done = subprocess.run(["bash", "-c", "source launchers/_setup.sh"], cwd=checkout, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "is a link to" in done.stderr and f"rm {checkout}/.venv" in done.stderr, done.stderr
+    assert list(elsewhere.iterdir()) == [], "nothing may be installed into the other checkout's environment"
