@@ -71,19 +71,31 @@ FAIR_TO_SHARE = {code_key(line): why for line, why in {
 }.items()}
 
 
+def library_lines() -> set[str]:
+    """The code of every line of the package students install (lablib), keyed as ``code_key`` keys them."""
+    return {code_key(line) for path in (REPO / "lablib").rglob("*.py") for line in path.read_text().splitlines()}
+
+
 def protected_lines() -> dict[str, tuple[str, str]]:
     """Every substantial line of a solution region or hidden test -> (the lab it comes from, the line), keyed by its code
     (``code_key``), leaving out lines that the source also shows outside those regions (a visible line a hidden test
-    repeats is no secret) and the few lines of FAIR_TO_SHARE."""
+    repeats is no secret), the few lines of FAIR_TO_SHARE, and hidden-test lines that lablib itself holds (a hidden
+    test that calls the library as any caller does, e.g. ``owned = not dist.is_initialized()``, tells a student
+    nothing the installed package does not; a solution line in lablib is still a leak, whatever the hidden tests say)."""
     protected: dict[str, tuple[str, str]] = {}
+    library = library_lines()
     for lab in all_labs():
         cells = nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4).cells
         visible = {code_key(line) for cell in cells
                    for line in HIDDEN_REGION.sub("", SOLUTION_REGION.sub("", cell.source)).splitlines()}
         for cell in cells:
-            for region in SOLUTION_REGION.findall(cell.source) + HIDDEN_REGION.findall(cell.source):
+            regions = [(region, False) for region in SOLUTION_REGION.findall(cell.source)]
+            regions += [(region, True) for region in HIDDEN_REGION.findall(cell.source)]
+            for region, hidden_test in regions:
                 for line in region.splitlines():
                     key = code_key(line)
+                    if hidden_test and key in library:
+                        continue
                     if substantial(line) and key not in visible and key not in FAIR_TO_SHARE:
                         protected.setdefault(key, (lab, line.strip()))
     return protected

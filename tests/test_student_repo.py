@@ -75,6 +75,21 @@ def test_a_comment_or_spacing_does_not_hide_an_answer_line(tmp_path):
     assert student_repo.code_key("x = f(a)  # why") == student_repo.code_key("x=f( a )") == "x=f(a)"
 
 
+def test_a_hidden_test_line_that_lablib_holds_is_no_secret_but_a_solution_line_stays_one(monkeypatch):
+    """A hidden test may call the library as any caller does (``owned = not dist.is_initialized()``); that line in
+    lablib tells a student nothing, so the audit does not protect it. A model-answer line stays protected even when
+    lablib holds it (that would be the leak). Checked by pretending lablib holds every line of every region."""
+    every = set(student_repo.protected_lines())
+    monkeypatch.setattr(student_repo, "library_lines", lambda: every)
+    still = student_repo.protected_lines()
+    solution_keys = {student_repo.code_key(line) for lab in student_repo.all_labs()
+                     for cell in labkit.read(lab).cells
+                     for region in student_repo.SOLUTION_REGION.findall(cell.source) for line in region.splitlines()}
+    assert still and set(still) <= solution_keys, "only model-answer lines stay protected"
+    assert set(still) == every & solution_keys
+    assert every - solution_keys, "some hidden-test lines were protected before (else this test shows nothing)"
+
+
 def test_solution_only_launcher_options_are_refused(built):
     result = subprocess.run(["bash", str(built / "launchers" / "lab"), "--solutions"], capture_output=True, text=True,
                             timeout=60, env={**os.environ, "PYTHON": sys.executable})
