@@ -182,7 +182,6 @@ _SUBGROUPS = dict(B=2, H=8, T=12, D=4, causal=True, dtype="float32", logits=3.0,
     ((), True),
     (((_A2A, "dist.all_to_all_single(recv, send, [len(recv) // n] * n, [len(send) // n] * n, group=group)"),), True),
     (((_A2A, "dist.all_to_all_single(recv, send, group=group, async_op=True).wait()"),), True),
-    (((_A2A, "dist.all_to_all_single(recv, send, group=group, async_op=True)"),), False),     # never waited on
     (((_A2A, "dist.all_to_all_single(recv, send)"),), False),                                # the world, not the group
     (((_A2A, "dist.all_to_all_single(recv, send, group=group); dist.all_reduce(torch.zeros(1), group=group)"),),
      False),                                                                                  # a fifth collective
@@ -197,6 +196,15 @@ def test_ulysses_rehearsal_on_two_sub_groups(replacements, passes):
     else:
         with pytest.raises(checks.CheckFailed):
             cp_ulysses.check_ulysses(records)
+
+
+def test_ulysses_rehearsal_names_a_work_never_waited():
+    """An async all-to-all never waited: the rehearsal (lablib.probes.rehearsal's _Pending, shared with the group
+    rehearsal) writes its output only on wait() and, when the rank's function returns, names the work never waited."""
+    from lablib.probes.rehearsal import NeverWaited
+    module = _ulysses_module((_A2A, "dist.all_to_all_single(recv, send, group=group, async_op=True)"))
+    with pytest.raises(NeverWaited, match=r"never waited \(all_to_all_single\)"):
+        cp_ulysses.rehearse_ulysses(module, 4, (_SUBGROUPS,))
 
 
 @pytest.mark.parametrize("options,message", [({"exercise": "ring"}, "exercise"), ({"cases": ("nope",)}, "unknown"),

@@ -189,13 +189,21 @@ _UNUSED = dict(name="unused", dtype="float32", no_grad=["dense", 1, True])      
 
 @pytest.mark.parametrize("impl, case, passes", [(_Mean, "frozen", True), (_Mean, _UNUSED, True),
                                                 (_DividedByDp, "frozen", False), (_SkipsFrozenOnly, _UNUSED, False),
-                                                (_NoWait, "fp32", False)])
+                                                (_NoWait, "fp32", "never waited")])
 def test_grads_probe_on_a_2x2_mesh(impl, case, passes):
     dp_groups, _ = ep_grads.mesh_groups(2, 2)
     world = group_rehearsal.ThreadGroup(range(4))
-    records = run_in_thread_ranks(4, lambda r: ep_grads.probe(impl, case, r, 2, 2,
-                                                              group_rehearsal.ThreadGroup(dp_groups[r % 2]), world),
-                                  more_fakes=group_rehearsal.fakes)
+
+    def rehearse():
+        return run_in_thread_ranks(4, lambda r: ep_grads.probe(impl, case, r, 2, 2,
+                                                               group_rehearsal.ThreadGroup(dp_groups[r % 2]), world),
+                                   more_fakes=group_rehearsal.fakes)
+    if passes == "never waited":     # the rehearsal names the async all-reduces no one waited on
+        from lablib.probes.rehearsal import NeverWaited
+        with pytest.raises(NeverWaited, match=r"never waited \(all_reduce\)"):
+            rehearse()
+        return
+    records = rehearse()
     if passes:
         for record in records:
             ep_grads.check(record, real_ranks=False)

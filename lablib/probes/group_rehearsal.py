@@ -36,7 +36,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from lablib.probes.rehearsal import RehearsalUnsupported, _local, _reduce
+from lablib.probes.rehearsal import RehearsalUnsupported, _local, _Pending, _reduce
 
 
 class ThreadGroup:
@@ -122,7 +122,7 @@ def fakes(world, local, log: list[list] | None = None) -> dict:
         if any(m[0] != tuple(members) for m in mine):
             raise RuntimeError(f"all_reduce: rank {local.rank} reduced over ranks {members}, but ranks of that group "
                                f"called it with other groups {[list(m[0]) for m in mine]} (on real ranks: a hang)")
-        return _land(lambda: tensor.copy_(_reduce([m[1] for m in mine], op)), async_op)
+        return _land(lambda: tensor.copy_(_reduce([m[1] for m in mine], op)), async_op, "all_reduce")
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False, **_):
@@ -153,7 +153,8 @@ def fakes(world, local, log: list[list] | None = None) -> dict:
             start = sum(their_sizes[:me])
             pieces.append(their_input[start:start + their_sizes[me]])
         received = torch.cat(pieces)
-        return _land(lambda: output.copy_(received.view_as(output) if equal else received.to(output.dtype)), async_op)
+        return _land(lambda: output.copy_(received.view_as(output) if equal else received.to(output.dtype)), async_op,
+                     "all_to_all_single")
 
     def barrier(group=None, async_op=False, **_):
         """Logged as ("barrier", 0), as lablib.measure.counting logs it on real ranks, so a check that counts the
@@ -161,7 +162,7 @@ def fakes(world, local, log: list[list] | None = None) -> dict:
         if log is not None:
             log[local.rank].append(("barrier", 0))
         world.exchange("barrier", None)
-        return _land(lambda: None, async_op)
+        return _land(lambda: None, async_op, "barrier")
 
     def unsupported(name):
         def call(*args, **kwargs):
@@ -176,33 +177,13 @@ def fakes(world, local, log: list[list] | None = None) -> dict:
             "all_gather_into_tensor": unsupported("all_gather_into_tensor")}
 
 
-def _land(write, async_op: bool):
+def _land(write, async_op: bool, what: str = "a collective"):
     """Write a collective's result now (a blocking call), or when its work is waited on (``async_op=True``)."""
-    if not async_op:
+    def landed():
         with torch.no_grad():
             write()
+    if not async_op:
+        landed()
         return None
-    return _Pending(write)
+    return _Pending(what, landed)
 
-
-class _Pending:
-    """The work an ``async_op=True`` call returns: its result is written into the output on ``wait()``."""
-
-    def __init__(self, write):
-        self._write = write
-
-    def wait(self, timeout=None) -> bool:
-        if self._write is not None:
-            with torch.no_grad():
-                self._write()
-            self._write = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self.wait()
-
-    def get_future(self) -> torch.futures.Future:
-        self.wait()
-        future = torch.futures.Future()
-        future.set_result(None)
-        return future

@@ -65,6 +65,13 @@ class _Pending:
         self._finish()
         return True
 
+    def get_future(self) -> torch.futures.Future:
+        """A future already complete once the output is written (as ``wait()``), for answers that chain on it."""
+        self._finish()
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
 
 class NeverWaited(RuntimeError):
     """A collective started with ``async_op=True`` whose work was never waited."""
