@@ -88,6 +88,9 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 ``lablib.labs``: one package per lab, everything only that lab uses: its formulas, its probes and checks, its run
 script (``run``, the torchrun step named after the package); a lab package imports the shared folders, never another
 lab, and no shared folder imports a lab (import-linter contracts in pyproject.toml)
+- ``lablib.labs.gradient_accumulation`` lab 01, gradient accumulation: ``run_grad_accum``
+- ``lablib.labs.gradient_accumulation.run_grad_accum`` the torchrun step ``grad_accum``: the student's accumulation
+                                   under DDP with and without ``no_sync``, all-reduces counted, vs one process
 - ``lablib.labs.context_parallel`` lab 12, context parallelism: read ``cp_model`` (the numbers), then ``cp_ring`` and
                                    ``cp_ulysses`` (the exercises checked on ranks), ``cp_split``, ``cp_idle``, ``run``
 - ``lablib.labs.context_parallel.cp_model``   how a sequence is split over context-parallel ranks, work, bytes, memory
