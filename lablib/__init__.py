@@ -91,6 +91,9 @@ lab, and no shared folder imports a lab (import-linter contracts in pyproject.to
 - ``lablib.labs.gradient_accumulation`` lab 01, gradient accumulation: ``run_grad_accum``
 - ``lablib.labs.gradient_accumulation.run_grad_accum`` the torchrun step ``grad_accum``: the student's accumulation
                                    under DDP with and without ``no_sync``, all-reduces counted, vs one process
+- ``lablib.labs.ring_allreduce`` lab 02, the ring all-reduce: ``run`` (the rehearsal and the counting comm are shared)
+- ``lablib.labs.ring_allreduce.run`` the torchrun step ``ring_allreduce``: the student's ring vs ``dist.all_reduce``
+                                   (sums, bytes, peers) and timed against the naive scheme and gloo's all-reduce
 - ``lablib.labs.context_parallel`` lab 12, context parallelism: read ``cp_model`` (the numbers), then ``cp_ring`` and
                                    ``cp_ulysses`` (the exercises checked on ranks), ``cp_split``, ``cp_idle``, ``run``
 - ``lablib.labs.context_parallel.cp_model``   how a sequence is split over context-parallel ranks, work, bytes, memory
