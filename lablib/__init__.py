@@ -94,6 +94,10 @@ lab, and no shared folder imports a lab (import-linter contracts in pyproject.to
 - ``lablib.labs.ring_allreduce`` lab 02, the ring all-reduce: ``run`` (the rehearsal and the counting comm are shared)
 - ``lablib.labs.ring_allreduce.run`` the torchrun step ``ring_allreduce``: the student's ring vs ``dist.all_reduce``
                                    (sums, bytes, peers) and timed against the naive scheme and gloo's all-reduce
+- ``lablib.labs.amdahl_scaling`` lab 03, Amdahl's law and strong scaling: ``run`` (its formulas and bucket timer are
+                                   ``lablib.course.scaling``'s, shared with labs 06 and 11)
+- ``lablib.labs.amdahl_scaling.run`` the torchrun step ``amdahl_scaling``: world sizes 1, 2, 4 taking turns, compute
+                                   and communication timed apart (explicit all-reduce) and under DDP
 - ``lablib.labs.context_parallel`` lab 12, context parallelism: read ``cp_model`` (the numbers), then ``cp_ring`` and
                                    ``cp_ulysses`` (the exercises checked on ranks), ``cp_split``, ``cp_idle``, ``run``
 - ``lablib.labs.context_parallel.cp_model``   how a sequence is split over context-parallel ranks, work, bytes, memory
