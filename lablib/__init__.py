@@ -57,8 +57,6 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 
 ``lablib.probes``: observers of the students' code behind the visible checks (properties, never an answer)
 - ``lablib.probes.rehearsal``       ranks as threads of this process: collectives rehearsed in a second before torchrun
-- ``lablib.probes.collectives``     lab 00's exercise 1 on the ranks: every collective, the errors torch raises, the cases
-- ``lablib.probes.job_setup``       lab 00's exercise 2 watched: a script's setup calls recorded, simulated GPUs, a slow disk
 - ``lablib.probes.ring_rehearsal``  lab 02's ring rehearsed on threads (sends and receives matched as gloo matches them)
 - ``lablib.probes.gpt_migration``   lab 05's exercise code on the ranks
 - ``lablib.probes.ddp``             lab 06's DDP classes on the ranks
@@ -88,6 +86,24 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 ``lablib.labs``: one package per lab, everything only that lab uses: its formulas, its probes and checks, its run
 script (``run``, the torchrun step named after the package); a lab package imports the shared folders, never another
 lab, and no shared folder imports a lab (import-linter contracts in pyproject.toml)
+- ``lablib.labs.collectives`` lab 00, collectives and the torchrun job: read ``collective_cases`` (exercise 1 on the
+                                   ranks), ``job_setup`` (exercises 2 and 3 watched), then ``run`` and ``run_collectives_job``
+- ``lablib.labs.collectives.collective_cases`` exercise 1 on the ranks: every collective, the errors torch raises, the cases
+- ``lablib.labs.collectives.job_setup`` exercise 2 watched: a script's setup calls recorded, simulated GPUs, a slow disk;
+                                   exercise 3's script on thread ranks
+- ``lablib.labs.collectives.run`` the torchrun step ``collectives``: each collective on 2-4 ranks, the bandwidth sweep
+- ``lablib.labs.collectives.run_collectives_job`` the torchrun step ``collectives_job``: exercise 2's job in its
+                                   scenarios, exercise 3's script with its collectives counted
+- ``lablib.labs.gradient_accumulation`` lab 01, gradient accumulation: ``run_grad_accum``
+- ``lablib.labs.gradient_accumulation.run_grad_accum`` the torchrun step ``grad_accum``: the student's accumulation
+                                   under DDP with and without ``no_sync``, all-reduces counted, vs one process
+- ``lablib.labs.ring_allreduce`` lab 02, the ring all-reduce: ``run`` (the rehearsal and the counting comm are shared)
+- ``lablib.labs.ring_allreduce.run`` the torchrun step ``ring_allreduce``: the student's ring vs ``dist.all_reduce``
+                                   (sums, bytes, peers) and timed against the naive scheme and gloo's all-reduce
+- ``lablib.labs.amdahl_scaling`` lab 03, Amdahl's law and strong scaling: ``run`` (its formulas and bucket timer are
+                                   ``lablib.course.scaling``'s, shared with labs 06 and 11)
+- ``lablib.labs.amdahl_scaling.run`` the torchrun step ``amdahl_scaling``: world sizes 1, 2, 4 taking turns, compute
+                                   and communication timed apart (explicit all-reduce) and under DDP
 - ``lablib.labs.context_parallel`` lab 12, context parallelism: read ``cp_model`` (the numbers), then ``cp_ring`` and
                                    ``cp_ulysses`` (the exercises checked on ranks), ``cp_split``, ``cp_idle``, ``run``
 - ``lablib.labs.context_parallel.cp_model``   how a sequence is split over context-parallel ranks, work, bytes, memory

@@ -38,7 +38,7 @@ def test_bad_rank_rejected():
         CountingComm(2, 2)
 
 
-NAIVE_IMPL = "from lablib.runs.ring_allreduce import naive_all_reduce as ring_all_reduce\n"
+NAIVE_IMPL = "from lablib.labs.ring_allreduce.run import naive_all_reduce as ring_all_reduce\n"
 
 
 def test_direct_calls_records_calls_around_the_comm():
@@ -113,7 +113,7 @@ def test_unknown_dtype_rejected_before_start():
 
 from lablib.probes.ring_rehearsal import rehearse_ring  # noqa: E402
 from lablib.probes.ring_rehearsal import RehearsalDeadlock as DeadlockError, RehearsalError, run_in_threads  # noqa: E402
-from lablib.runs.ring_allreduce import naive_all_reduce  # noqa: E402
+from lablib.labs.ring_allreduce.run import naive_all_reduce  # noqa: E402
 
 
 def test_threads_sum_like_processes_and_count_the_same_bytes():

@@ -10,7 +10,7 @@ from lablib.jobs import config as cfg
 from lablib.jobs import launch
 from lablib.course import scaling
 from lablib.measure import timing
-from lablib.runs import amdahl_scaling
+from lablib.labs.amdahl_scaling import run as amdahl_scaling
 
 
 def test_speedups():

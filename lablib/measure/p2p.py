@@ -141,7 +141,7 @@ def direct_calls():
         yield log
 
 
-# --- lab 02's ring check: the same cases in threads (a rehearsal) and in processes (lablib.runs.ring_allreduce)
+# --- lab 02's ring check: the same cases in threads (a rehearsal) and in processes (lablib.labs.ring_allreduce.run)
 
 def small_integers(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Integers in [-8, 8]: sums of a few are exact in every dtype, so any reduction order gives the same bits."""

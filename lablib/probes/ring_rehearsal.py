@@ -193,7 +193,7 @@ def run_in_threads(world_size: int, fn, timeout_s: float = 30.0) -> list:
 def rehearse_ring(ring_all_reduce, world_sizes=(2, 3, 4), sizes=(), shapes=(), dtypes=("float32",),
                   seed: int = 0, timeout_s: float = 30.0) -> list[dict]:
     """Lab 02's check cases run on threads (``ThreadWorld``) in this process, in a second: the rows have the
-    format of ``lablib.runs.ring_allreduce``'s ``check`` rows (without the naive baseline), the reference
+    format of ``lablib.labs.ring_allreduce.run``'s ``check`` rows (without the naive baseline), the reference
     being the exact sum of the ranks' small-integer tensors. A rank that raises (a deadlock included) raises
     here. A ``torch.distributed`` call made by the student's function fails in threads (there is no
     process group); it is reported in ``direct_calls`` of the row instead.

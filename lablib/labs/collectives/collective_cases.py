@@ -1,5 +1,5 @@
 """Lab 00's exercise 1 checked on the ranks: each collective run on tensors whose values name their rank, the
-errors torch raises for bad calls, and the check cases the notebook draws (``lablib.runs.collectives`` runs them)."""
+errors torch raises for bad calls, and the check cases the notebook draws (``run`` runs them)."""
 
 from __future__ import annotations
 

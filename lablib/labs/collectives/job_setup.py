@@ -1,6 +1,6 @@
 """Lab 00's torchrun scripts watched. Exercise 2: pass-through wrappers around the calls a script's setup makes
 (``init_process_group``, ``set_device``, ``torch.save`` / ``torch.load``, ``barrier``) record how they were made, with a
-simulated ``torch.cuda`` and a slow file system (``lablib.runs.collectives_job`` runs the scenarios); ``simulated_setup``
+simulated ``torch.cuda`` and a slow file system (``run_collectives_job`` runs the scenarios); ``simulated_setup``
 (simulated GPUs, a second node) runs on the torchrun ranks and, first, in the notebook's process (``rehearse_setups``,
 one local rank at a time in a group of one). Exercise 3: ``rehearse_script`` runs the script on thread ranks."""
 
@@ -253,7 +253,7 @@ def rehearse_setups(path: str, scenarios, local_world_size: int, timeout_s: floa
 def rehearse_script(path: str, world_size: int) -> dict | None:
     """A whole torchrun script (lab 00's exercise 3) as ``__main__`` on ``world_size`` thread ranks of this process
     (``lablib.probes.rehearsal``; init and destroy do nothing): {"rank_output": {rank: its prints, then the "@@calls"
-    line of ``lablib.runs.collectives_job --counted``}, "deadlock": None or what hung}. One rank runs at a time between
+    line of ``run_collectives_job --counted``}, "deadlock": None or what hung}. One rank runs at a time between
     collectives (the global random generator is drawn as on separate processes); before each collective the ranks
     compare what they call, so another collective, another root or an ended script is the hang, named at once.
     None where threads cannot stand in for processes (a call not rehearsed, the script raised): the real run judges."""

@@ -1,6 +1,6 @@
 """Lab 03's distributed step: the same training at world sizes 1, 2 and 4, compute and communication timed apart.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 -m lablib.runs.amdahl_scaling --out out.json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 -m lablib.labs.amdahl_scaling.run --out out.json
 
 Strong scaling: the global batch (``global_batch`` samples per step) and the total work (``samples``) are
 fixed; at world size N each of N ranks computes on global_batch / N samples per step.

@@ -1,8 +1,8 @@
 """Lab 02's distributed step: check a ring all-reduce against ``dist.all_reduce``, count its bytes, time it.
 
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.ring_allreduce --impl ring_impl.py \
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.ring_allreduce.run --impl ring_impl.py \\
         --world_sizes 2,3,4 --out out.json
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.ring_allreduce --impl ring_impl.py \\
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.ring_allreduce.run --impl ring_impl.py \\
         --sizes "" --bench_bytes 1024,1048576,16777216 --out bench.json
 
 The student's ``ring_all_reduce(tensor, comm)`` (from --impl) sums ``tensor`` over all ranks in place,

@@ -1,9 +1,9 @@
 """Lab 00's check of the student's torchrun script skeleton: a plain torchrun script (the student's code sets
 up the process group itself), run by ``lablib.jobs.launch.run_script``; every rank prints its findings.
 
-    torchrun --standalone --nproc-per-node 3 lablib/runs/collectives_job.py --impl $PWD/job_setup_impl.py \\
+    torchrun --standalone --nproc-per-node 3 lablib/labs/collectives/run_collectives_job.py --impl $PWD/job_setup_impl.py \\
         --checkpoint_dir /tmp/ckpt --scenarios ok@2,error@2,ok,error,gpus:1,gpus:3,node2:3
-    torchrun --standalone --nproc-per-node 2 lablib/runs/collectives_job.py --counted $PWD/fixed_train_impl.py
+    torchrun --standalone --nproc-per-node 2 lablib/labs/collectives/run_collectives_job.py --counted $PWD/fixed_train_impl.py
 
 The module ``--impl`` (written by the notebook) defines ``setup_distributed(timeout_s)``,
 ``log0(info, message)``, ``checkpoint_round_trip(state, path, info)`` and ``run_job(train, path, timeout_s)``.
@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from lablib.jobs import processes
 from lablib.jobs.exercise import load_module
-from lablib.probes.job_setup import REQUIRED, Recorder, job_environment, simulated_setup
+from lablib.labs.collectives.job_setup import REQUIRED, Recorder, job_environment, simulated_setup
 
 MARKER = "@@job "
 CALLS_MARKER = "@@calls "

@@ -1,10 +1,10 @@
 """Lab 00's distributed step: every collective the course uses, each rank's tensor before and after, the
 bytes the course counts for it, and its bus bandwidth on gloo over message sizes.
 
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 2,3,4 --out out.json
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --world_sizes 4 \\
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.collectives.run --world_sizes 2,3,4 --out out.json
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.collectives.run --world_sizes 4 \\
         --bench_bytes 4096,65536,1048576 --bench_ranks 2 --out bench.json
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.collectives --check_inputs inputs.json --out check.json
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.collectives.run --check_inputs inputs.json --out check.json
 
 - pictures (for each of ``world_sizes``; ranks 0..w-1 form a gloo sub-group, the others wait, so several
   world sizes cost one torchrun start): rank r starts with ``[10 r, 10 r + 1, ...]`` (``per_rank`` x w
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from lablib.measure import counting, timing
 from lablib.jobs import script
 from lablib.measure.rankcheck import gather_objects
-from lablib.probes.collectives import check_cases, expected_errors, one_rank
+from lablib.labs.collectives.collective_cases import check_cases, expected_errors, one_rank
 
 # The course's names, in the order the lab teaches them.
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",

@@ -1,6 +1,7 @@
 """Lab 01's distributed step: gradient accumulation under DDP, with and without ``no_sync()``.
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.grad_accum --impl accum_impl.py --out out.json
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.gradient_accumulation.run_grad_accum \\
+        --impl accum_impl.py --out out.json
 
 The student's ``accumulation_step(model, optimizer, micro_batches, loss_fn)`` (from --impl) trains an
 MLP on a synthetic regression task twice, from the same initial weights and data:
