@@ -88,6 +88,8 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 ``lablib.labs``: one package per lab, everything only that lab uses: its formulas, its probes and checks, its run
 script (``run``, the torchrun step named after the package); a lab package imports the shared folders, never another
 lab, and no shared folder imports a lab (import-linter contracts in pyproject.toml)
+- ``lablib.labs.zero_memory``      lab 04, ZeRO memory: ``run`` alone (its setups and counters are shared with labs 05, 07)
+- ``lablib.labs.zero_memory.run``  the torchrun step ``zero_memory``: DDP, ZeRO-1, FSDP2 x 2 trained, bytes each rank holds
 - ``lablib.labs.context_parallel`` lab 12, context parallelism: read ``cp_model`` (the numbers), then ``cp_ring`` and
                                    ``cp_ulysses`` (the exercises checked on ranks), ``cp_split``, ``cp_idle``, ``run``
 - ``lablib.labs.context_parallel.cp_model``   how a sequence is split over context-parallel ranks, work, bytes, memory
