@@ -39,16 +39,11 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 - ``lablib.course.data``     Tiny Shakespeare: download/verify/cache, character tokenizer, batches; the regression task
 - ``lablib.course.commcost`` the alpha-beta cost model, its fit, interconnects and model sizes (lab 02)
 - ``lablib.course.scaling``  lab 03's strong-scaling formulas, the explicit all-reduce and DDP's bucket timer
-- ``lablib.course.training`` lab 05's one training loop for a single process, DDP, accumulation and FSDP2
-- ``lablib.course.checkpoint_interval`` lab 10's checkpoint interval simulated (failures at random)
 - ``lablib.course.plots``    the course's matplotlib conventions and widgets
 
 ``lablib.parallel``: parallelisms applied to a plain model from outside
 - ``lablib.parallel.pipeline``        the course GPT cut into stages; a given schedule played tick by tick
 - ``lablib.parallel.tensor_parallel`` the students' classes, DTensor's ``parallelize_module`` and a 2-D mesh with FSDP2
-- ``lablib.parallel.checkpointing``   lab 10's resumable run: global sampler, per-rank RNG, recipe, one step
-- ``lablib.parallel.checkpoint_run``  lab 10's loop around the students' start/save: faults, log, what a run held
-- ``lablib.parallel.async_checkpoint`` ``dcp.save`` against ``dcp.async_save``: the time the job waits
 - ``lablib.parallel.activation_checkpointing``  activation checkpointing applied to a plain model
 - ``lablib.parallel.zero_states``     the model-state setups labs 04 and 07 count (DDP, ZeroRedundancyOptimizer, FSDP2)
 - ``lablib.parallel.strategies``      lab 11's strategy interface (wrap_model, wrap_optimizer, sync_gradients,
@@ -58,7 +53,6 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 ``lablib.probes``: observers of the students' code behind the visible checks (properties, never an answer)
 - ``lablib.probes.rehearsal``       ranks as threads of this process: collectives rehearsed in a second before torchrun
 - ``lablib.probes.ring_rehearsal``  lab 02's ring rehearsed on threads (sends and receives matched as gloo matches them)
-- ``lablib.probes.gpt_migration``   lab 05's exercise code on the ranks
 - ``lablib.probes.ddp``             lab 06's DDP classes on the ranks
 - ``lablib.probes.ddp_cases``       lab 06's test models and batches
 - ``lablib.probes.ddp_order``       lab 06's overlap verdicts from the order of events
@@ -80,7 +74,6 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 - ``lablib.probes.pipeline_schedules`` lab 09's schedules graded by what one must do (the 1F1B rule played)
 - ``lablib.probes.pipeline_recorder``  what a pipeline stage ran and when, and the activations it saved
 - ``lablib.probes.pipeline_rehearsal`` lab 09's engine on threads as ranks before torchrun (gloo's send/recv matching)
-- ``lablib.probes.fault_tolerance`` lab 10's resumed runs
 - ``lablib.probes.group_rehearsal`` labs 12 and 13 on thread ranks: all_to_all_single (equal or uneven), sub-groups
 
 ``lablib.labs``: one package per lab, everything only that lab uses: its formulas, its probes and checks, its run
@@ -104,6 +97,21 @@ lab, and no shared folder imports a lab (import-linter contracts in pyproject.to
                                    ``lablib.course.scaling``'s, shared with labs 06 and 11)
 - ``lablib.labs.amdahl_scaling.run`` the torchrun step ``amdahl_scaling``: world sizes 1, 2, 4 taking turns, compute
                                    and communication timed apart (explicit all-reduce) and under DDP
+- ``lablib.labs.zero_memory``      lab 04, ZeRO memory: ``run`` alone (its setups and counters are shared with labs 05, 07)
+- ``lablib.labs.zero_memory.run``  the torchrun step ``zero_memory``: DDP, ZeRO-1, FSDP2 x 2 trained, bytes each rank holds
+- ``lablib.labs.gpt_migration``    lab 05, from one process to DDP, FSDP2 and Accelerate: read ``training``, then ``probes``, ``run``
+- ``lablib.labs.gpt_migration.training`` the one training loop for a single process, DDP, accumulation and FSDP2
+- ``lablib.labs.gpt_migration.probes``   the exercises' code on the ranks (loader orders, the mean, the FSDP2 plan)
+- ``lablib.labs.gpt_migration.run``      the torchrun step ``gpt_migration``: every variant measured the same way
+- ``lablib.labs.fault_tolerance``  lab 10, fault tolerance: read ``checkpointing`` (what a run saves), then
+                                   ``checkpoint_run`` (the loop around the students' start/save), ``probes``, ``run``
+- ``lablib.labs.fault_tolerance.checkpointing``  the resumable run: global sampler, per-rank RNG, recipe, one step
+- ``lablib.labs.fault_tolerance.checkpoint_run`` the loop around the students' start/save: faults, log, what a run held
+- ``lablib.labs.fault_tolerance.probes``         the graded checks: a resumed run against the uninterrupted one, reshards,
+                                                 the restart's timeline
+- ``lablib.labs.fault_tolerance.async_checkpoint`` ``dcp.save`` against ``dcp.async_save``: the time the job waits
+- ``lablib.labs.fault_tolerance.checkpoint_interval`` the checkpoint interval simulated (failures at random)
+- ``lablib.labs.fault_tolerance.run``            the torchrun step ``fault_tolerance``: checkpoint, be killed, resume
 - ``lablib.labs.context_parallel`` lab 12, context parallelism: read ``cp_model`` (the numbers), then ``cp_ring`` and
                                    ``cp_ulysses`` (the exercises checked on ranks), ``cp_split``, ``cp_idle``, ``run``
 - ``lablib.labs.context_parallel.cp_model``   how a sequence is split over context-parallel ranks, work, bytes, memory

@@ -1,5 +1,5 @@
-"""lablib.measure.benchmark (StepMeter), lablib.parallel.activation_checkpointing, lablib.measure.rankcheck, lablib.course.training, lablib.probes.gpt_migration and the
-lab 05 run script gpt_migration."""
+"""lablib.measure.benchmark (StepMeter), lablib.parallel.activation_checkpointing, lablib.measure.rankcheck, and
+lab 05's package lablib.labs.gpt_migration (training, probes and run, the run script gpt_migration)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from pathlib import Path
 from types import SimpleNamespace
 
-from lablib.course import data, training
+from lablib.course import data
+from lablib.labs.gpt_migration import training
 from lablib.jobs import launch
 from lablib.measure import timing
 from lablib.measure.benchmark import StepMeter
@@ -22,7 +23,7 @@ from lablib.parallel.activation_checkpointing import CheckpointedBlock, apply_ac
 from lablib.jobs.distenv import from_env
 from lablib.measure.rankcheck import RecordingDataset, gather_objects, shard_report, weight_spread
 from lablib.course.models import GPT, GPTConfig
-from lablib.runs import gpt_migration
+from lablib.labs.gpt_migration import run as gpt_migration
 
 TINY = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

@@ -1,4 +1,4 @@
-"""lablib.parallel.checkpointing, checkpoint_run, lablib.course.checkpoint_interval and lablib.probes.fault_tolerance (lab 10) without torchrun: the sampler reshards, checkpoints are
+"""lablib.labs.fault_tolerance (lab 10: checkpointing, checkpoint_run, checkpoint_interval, probes) without torchrun: the sampler reshards, checkpoints are
 found only when complete, the Monte Carlo waste agrees with Young/Daly near the optimum, and the graded checks
 name what differs."""
 
@@ -9,10 +9,9 @@ import math
 
 import pytest
 
-from lablib.course import checkpoint_interval
-from lablib.parallel import checkpoint_run, checkpointing
+from lablib.labs.fault_tolerance import checkpoint_interval, checkpoint_run, checkpointing
 from lablib import checks
-from lablib.probes import fault_tolerance as ft_probes
+from lablib.labs.fault_tolerance import probes as ft_probes
 
 
 def _served(world_size: int, steps_done: int, steps_more: int, state=None, global_batch: int = 8, n_items: int = 24):
@@ -75,7 +74,7 @@ def test_fault_parse():
 
 
 def test_reshard_parse_and_the_world_it_needs(tmp_path):
-    from lablib.runs import fault_tolerance
+    from lablib.labs.fault_tolerance import run as fault_tolerance
 
     assert checkpoint_run.parse_reshard("fsdp2:4->2") == ("fsdp2", 4, 2)
     for bad in ("fsdp2:4->4", "zero:2->1", "ddp:0->2", "ddp:2-1", "ddp"):

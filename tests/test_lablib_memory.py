@@ -1,4 +1,4 @@
-"""lablib.measure.memory (storage counting, saved activations, recipes) and lablib.runs.zero_memory (a real 2-rank run)."""
+"""lablib.measure.memory (storage counting, saved activations, recipes) and lablib.labs.zero_memory.run (a real 2-rank run)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_checkpointing_keeps_only_block_inputs():
 
 
 def test_layers_with_weights_are_the_blocks_linears_and_layernorms():
-    from lablib.runs.zero_memory import layers_with_weights
+    from lablib.parallel.zero_states import layers_with_weights
     model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16))
     layers = layers_with_weights(model)
     assert len(layers) == 3 * 6                     # ln_1, c_attn, c_proj, ln_2, c_fc, c_proj per block

@@ -1,1 +1,1 @@
-"""The course's models, data, formulas, training loop and plots (no parallelism inside)."""
+"""The course's models, data, formulas and plots (no parallelism inside)."""

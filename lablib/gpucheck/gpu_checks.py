@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 1 lablib/gpucheck/gpu_checks.py --check zero_memory --out out.json
     torchrun --standalone --nproc-per-node 2 lablib/gpucheck/gpu_checks.py --check cp_sdpa --out out.json
 
-- ``zero_memory``: lab 04's four variants set up and trained as ``lablib.runs.zero_memory`` does, with the CUDA
+- ``zero_memory``: lab 04's four variants set up and trained as ``lablib.labs.zero_memory.run`` does, with the CUDA
   caching allocator's figures next to the model-state bytes the lab counts from storages: at each of the lab's three
   moments ``memory_allocated`` then, and over the steps ``max_memory_allocated``. The counted bytes are tensors the
   allocator handed out, alive together at that moment, so they can never exceed either; what the allocator holds
@@ -53,7 +53,7 @@ class Config:
 
 
 def zero_memory_on_gpu(env, config: Config) -> dict:
-    """Lab 04's variants set up as ``lablib.runs.zero_memory`` sets them up (``lablib.parallel.zero_states``), trained
+    """Lab 04's variants set up as ``lablib.labs.zero_memory.run`` sets them up (``lablib.parallel.zero_states``), trained
     ``steps`` AdamW steps; in the last step, at each of lab 04's three moments, the model-state bytes counted from
     storages (``memory.model_state_bytes``) next to ``torch.cuda.memory_allocated`` at the same moment, and over the
     variant's steps ``max_memory_allocated``. A count can never exceed what is allocated at that moment."""

@@ -49,7 +49,7 @@ L05, L06, L07, L08, L09 = ("05_gpt_migration", "06_ddp_from_scratch", "07_zero_f
 L10, L11, L12, L13 = "10_fault_tolerance", "11_strategy_benchmark", "12_context_parallel", "13_expert_parallel"
 
 MiB = 2 ** 20
-# Lab 05's workload (its first cell); on a GPU a student runs the source tutorial's GPT (training.SOURCE_GPT). Those
+# Lab 05's workload (its first cell); on a GPU a student runs the source tutorial's GPT (lablib.labs.gpt_migration.training.SOURCE_GPT). Those
 # runs are not compared with the CPU: the same GPT on the CPU would take most of the budget.
 WORKLOAD = dict(steps=34, eval_every=10, batch_size=32, block_size=64, n_layer=2, n_head=4, n_embd=64, lr=3e-3,
                 seed=1, val_batch_size=32, val_blocks=64, measure_steps=10)
@@ -86,7 +86,8 @@ def _probes():
     """The labs' probe modules (imported when a verdict runs: the table itself stays cheap to import)."""
     from lablib.labs.context_parallel import cp_ring, cp_ulysses
     from lablib.labs.expert_parallel import probes as expert_parallel
-    from lablib.probes import ddp, fault_tolerance, pipeline, tensor_parallel, zero, zero3
+    from lablib.labs.fault_tolerance import probes as fault_tolerance
+    from lablib.probes import ddp, pipeline, tensor_parallel, zero, zero3
     return locals()
 
 

@@ -164,8 +164,8 @@ class _WithoutProgress:
 
 def run_in_this_process(step, options: dict, threads: int = 1) -> dict:
     """A run script's ``run`` in this process: world size 1, no torchrun (a single-process baseline from a
-    notebook, without a process start). ``step`` is the run module itself (``from lablib.runs import
-    gpt_migration``), so this library never imports a run script. The same ``run`` every torchrun rank calls,
+    notebook, without a process start). ``step`` is the run module itself (``from lablib.labs.gpt_migration import
+    run``), so this library never imports a run script. The same ``run`` every torchrun rank calls,
     the options checked against the same ``Config``, ``threads`` CPU threads like every rank of the lab's
     runs. Returns what a run records: {"config", "env", "metrics"}."""
     import contextlib

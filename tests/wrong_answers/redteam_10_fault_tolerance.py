@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from lablib.parallel.checkpointing import per_rank, this_rank
+from lablib.labs.fault_tolerance.checkpointing import per_rank, this_rank
 '''
 
 APP = HEADER + r'''
@@ -80,7 +80,7 @@ from torch.distributed.checkpoint import load as dcp_load, save as dcp_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from lablib.parallel import checkpointing
+from lablib.labs.fault_tolerance import checkpointing
 
 
 def _rng_now():
@@ -263,7 +263,7 @@ CORRECT_VARIANTS = {
     # GPU (both in APP_VARIANT too). Each app_state variant costs a 2-rank kill-and-restart run.
     "app_state": [
         ("`from torch.distributed.checkpoint import load, save`, other key names, nested 'progress' dict, RNG helpers, "
-         "`lablib.parallel.checkpointing.per_rank` via the module", APP_VARIANT),
+         "`lablib.labs.fault_tolerance.checkpointing.per_rank` via the module", APP_VARIANT),
     ],
     "young_daly": [
         ("math.sqrt and the formulas as written", YD),

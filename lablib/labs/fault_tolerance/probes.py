@@ -3,7 +3,7 @@
 - ``precheck(impl)``: the students' ``start``/``save``/``AppState`` at world size 1 inside this process (a gloo
   group of one): the run is stopped after a step, "restarted" with freshly built parts and fresh seeds, and
   resumed from its last checkpoint, in seconds, before any torchrun start;
-- ``check_resumed(metrics, faults)``: the graded comparison of a run's log (``lablib.runs.fault_tolerance``'s
+- ``check_resumed(metrics, faults)``: the graded comparison of a run's log (``run``'s
   metrics, or the precheck's): every step of every attempt equal to the uninterrupted run's step, bit for bit
   (loss, learning rate, the global batch it trained on), each attempt resumed from the last checkpoint before
   its fault, and steps 1..N all there. A failure names the first step that differs and what differs;
@@ -27,7 +27,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from lablib.parallel import checkpoint_run, checkpointing
+from lablib.labs.fault_tolerance import checkpoint_run, checkpointing
 from lablib import checks
 from lablib.jobs.distenv import DistEnv
 from lablib.jobs.exercise import load_module
@@ -109,7 +109,7 @@ def check_resumed(metrics, faults=None, ckpt_every: int | None = None, where: st
                               hint="same batch and learning rate, different result: the model or optimizer state, "
                                    "or a random generator (dropout: torch; the windows' shifts: Python's random) was "
                                    "not restored, or not this rank's own (DCP keeps one copy of a key every rank "
-                                   "writes; lablib.parallel.checkpointing.per_rank)")
+                                   "writes; lablib.labs.fault_tolerance.checkpointing.per_rank)")
     final = {}
     for r in records:
         final[r["step"]] = r

@@ -1,6 +1,6 @@
 """Lab 04's distributed step: what each rank really holds under DDP, ZeRO-1, ZeRO-2 and ZeRO-3.
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.zero_memory --out zero_memory.json
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.zero_memory.run --out zero_memory.json
 
 Trains the course GPT a few AdamW steps on Tiny Shakespeare four times, from the same initial weights on
 the same batches, each time with the model states kept differently:
@@ -31,10 +31,8 @@ import torch.distributed as dist
 from lablib.measure import memory, rankcheck
 from lablib.jobs import script
 from lablib.course.models import GPT
-# The setups lab 07's run counts too live in a library module both import (a run script is a leaf); the names
-# are re-exported here for the callers that know them from this module.
-from lablib.parallel.zero_states import (ADAM_STEP_BYTES, VARIANTS, Config, apply_ddp, batches,  # noqa: F401
-                                         formula_slack_bytes, fsdp_rows_per_rank, held_params, layers_with_weights,
+# The setups lab 07's run counts too live in a library module both import (a run script is a leaf).
+from lablib.parallel.zero_states import (Config, apply_ddp, batches, formula_slack_bytes, held_params,
                                          shard_every_layer)
 
 PHASES = ("after_forward", "after_backward", "after_step")

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lablib.jobs import distenv, processes
-from lablib.parallel.checkpointing import Recipe, build, checkpoint_dir, latest_checkpoint, tokens, train_step
+from lablib.labs.fault_tolerance.checkpointing import Recipe, build, checkpoint_dir, latest_checkpoint, tokens, train_step
 
 LOG_FILE = "log.jsonl"
 MARKER = "checkpoint saved at step"   # rank 0 prints "checkpoint saved at step N" after each complete save

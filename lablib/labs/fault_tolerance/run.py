@@ -1,10 +1,10 @@
 """Lab 10's step: a training run that checkpoints, is killed (or hangs), and resumes, with the students' AppState.
 
-    torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m lablib.runs.fault_tolerance \\
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m lablib.labs.fault_tolerance.run \\
         --impl ft_impl.py --ckpt-dir /tmp/ckpt --faults kill:1@5 --reference true --out out.json
 
 Every attempt (torchrun restarts the whole group after a rank fails; ``TORCHELASTIC_RESTART_COUNT`` numbers them)
-runs ``lablib.parallel.checkpoint_run.train``: the students' ``start`` restores the latest complete checkpoint in
+runs ``checkpoint_run.train``: the students' ``start`` restores the latest complete checkpoint in
 ``ckpt_dir`` (or ``resume_from`` on the first attempt), the loop trains to ``steps`` and calls the students' ``save``
 every ``ckpt_every`` steps, rank 0 prints "checkpoint saved at step N" after each, and fault i of ``faults``
 (``kill:RANK@STEP``, ``hang:RANK@STEP``, or ``savekill:RANK@STEP``: killed in the middle of that step's save) is
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lablib.parallel import checkpoint_run, checkpointing
+from lablib.labs.fault_tolerance import checkpoint_run, checkpointing
 from lablib.jobs import distenv, script
 from lablib.jobs.exercise import load_module, require_file
 

@@ -1,14 +1,14 @@
 """Lab 05's step: one GPT, one workload, trained single-process, with DDP, DDP + accumulation, FSDP2,
 FSDP2 + activation checkpointing, HSDP and Accelerate, each measured the same way (lablib.measure.benchmark).
 
-    torchrun --standalone --nproc-per-node 1 -m lablib.runs.gpt_migration --variants single --out single.json
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.gpt_migration --variants no_comm,ddp,ddp_accum \\
+    torchrun --standalone --nproc-per-node 1 -m lablib.labs.gpt_migration.run --variants single --out single.json
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.gpt_migration.run --variants no_comm,ddp,ddp_accum \\
         --ddp_impl ddp_impl.py --out ddp.json
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.gpt_migration \\
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.gpt_migration.run \\
         --variants fsdp,hsdp --fsdp_impl fsdp_impl.py --steps 5 --trace_step true --out hsdp.json
 
 Variants (run in the order given, each from the same initial weights, on the same global batch of
-``batch_size`` sequences per optimizer step): see ``SETUPS``. The loop is ``lablib.course.training.train_loop``
+``batch_size`` sequences per optimizer step): see ``SETUPS``. The loop is ``training.train_loop``
 (Accelerate's is the notebook's own); this file only sets each variant up and reports.
 """
 
@@ -22,17 +22,18 @@ import torch
 import torch.distributed as dist
 
 from lablib.jobs import config as cfg
-from lablib.course import data, training
+from lablib.course import data
 from lablib.jobs import script
 from lablib.measure.benchmark import StepMeter
 from lablib.measure.counting import count_collectives, count_ddp_models
 from lablib.parallel.activation_checkpointing import apply_activation_checkpointing
 from lablib.jobs.exercise import load_module, require_file
 from lablib.measure.memory import local_tensor
-from lablib.probes.gpt_migration import fsdp_plan, probe_loader, probe_mean
 from lablib.measure.rankcheck import (FP32_UNIT_ROUNDOFF, RecordingDataset, formula_rtol, gather_objects, samples_per_step,
                               shard_report, weight_spread)
 from lablib.parallel.zero_states import fsdp_rows_per_rank
+from lablib.labs.gpt_migration import training
+from lablib.labs.gpt_migration.probes import fsdp_plan, probe_loader, probe_mean
 
 DDP_FUNCTIONS = ("wrap_model", "make_loader", "start_epoch", "mean_across_ranks")
 

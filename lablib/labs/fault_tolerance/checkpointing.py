@@ -1,7 +1,7 @@
 """A training run that can be killed and resumed (lab 10): its data order, its seeds, what it trains, one step.
 
 What a resumed run needs to continue *exactly* is the students' ``AppState`` (lab 10's exercise 1, written in the
-notebook, never here). This module is everything it saves and restores; ``lablib.parallel.checkpoint_run`` is the
+notebook, never here). This module is everything it saves and restores; ``checkpoint_run`` is the
 loop around it (the students' ``start`` and ``save``, the faults, the log).
 
 - ``ResumableSampler``: one permutation of the data per epoch (seeded with ``seed + epoch``, the same on every
