@@ -86,7 +86,10 @@ def _probes():
     """The labs' probe modules (imported when a verdict runs: the table itself stays cheap to import)."""
     from lablib.labs.context_parallel import cp_ring, cp_ulysses
     from lablib.labs.expert_parallel import probes as expert_parallel
-    from lablib.probes import ddp, fault_tolerance, pipeline, tensor_parallel, zero, zero3
+    from lablib.labs.ddp_from_scratch import probe as ddp
+    from lablib.labs.tensor_parallel import probe as tensor_parallel
+    from lablib.labs.pipeline_parallel import probe as pipeline
+    from lablib.probes import fault_tolerance, zero, zero3
     return locals()
 
 
