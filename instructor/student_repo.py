@@ -58,8 +58,8 @@ def code_key(line: str) -> str:
 FAIR_TO_SHARE = {code_key(line): why for line, why in {
     "model.finish_gradient_synchronization()":
         "lab 11's sync_gradients for lab 06's classes is lab 06's published contract (both released notebooks name "
-        "the method: wait for every handle); the course's own runs of lab 06's classes (lablib.runs.ddp_overlap) make "
-        "the same call, and the exercise grades the plumbing around it",
+        "the method: wait for every handle); the course's own runs of lab 06's classes "
+        "(lablib.labs.ddp_from_scratch.run_ddp_overlap) make the same call, and the exercise grades the plumbing around it",
     "dist.destroy_process_group()":
         "lab 00's script skeleton ends with it in `finally`, as every course step does (lablib.jobs.distenv); the "
         "exercise grades where it stands and what surrounds it, not the call",

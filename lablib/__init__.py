@@ -1,7 +1,7 @@
 """lablib: the library behind the Distributed Training Labs, what students install.
 
 Read it like a table of contents. Seven folders, one job each, and two modules of their own. ``lablib.labs`` holds
-one package per lab whose code has moved into a folder of its own (labs 12 and 13 so far); the others' code is still
+one package per lab whose code has moved into a folder of its own (labs 06, 08, 09, 12 and 13 so far); the others' code is still
 spread over the shared folders by role, and moves the same way, one lab at a time:
 
 ``lablib.jobs``: running a step
@@ -16,7 +16,8 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 - ``lablib.jobs.distenv``   the process environment: one frozen ``DistEnv`` built from torchrun's variables
 - ``lablib.jobs.config``    typed, strict option parsing shared by the launcher and the run scripts
 - ``lablib.jobs.script``    the skeleton every run script shares (errors, JSON output, clean shutdown)
-- ``lablib.jobs.exercise``  loading the module file a notebook exercise wrote into a run script
+- ``lablib.jobs.exercise``  loading the module file a notebook exercise wrote into a run script (``load_fresh``: one
+                            that imports another exercise file beside it); the refusal of one not yet written
 - ``lablib.jobs.job``       the launcher's own record of a job it started (pids, process groups, sessions) and
                             the escalating stop (SIGINT, SIGTERM, SIGKILL on a deadline) an interrupt or a timeout uses
 
@@ -31,8 +32,6 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 - ``lablib.measure.rankcheck`` which samples each rank saw, whether the ranks' weights agree, and the rounding
                                bounds two runs that differ only in summation order must stay within
 - ``lablib.measure.p2p``       point-to-point sends and receives that count their bytes (lab 02)
-- ``lablib.measure.ddp_timeline`` lab 06's per-rank step timeline (CPU clocks on gloo, a profiler trace on GPUs)
-- ``lablib.measure.pipeline_costs`` a measured pipeline step as stage times, latency and gap; played again with them
 
 ``lablib.course``: the course's models, data and formulas (no parallelism inside)
 - ``lablib.course.models``   a small GPT (nanoGPT names) and a small MLP
@@ -45,6 +44,7 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 - ``lablib.parallel.pipeline``        the course GPT cut into stages; a given schedule played tick by tick
 - ``lablib.parallel.tensor_parallel`` the students' classes, DTensor's ``parallelize_module`` and a 2-D mesh with FSDP2
 - ``lablib.parallel.activation_checkpointing``  activation checkpointing applied to a plain model
+- ``lablib.parallel.ddp_buckets``     PyTorch DDP's bucket assignment standing in for lab 06's exercise 2 (labs 06, 11)
 - ``lablib.parallel.zero_states``     the model-state setups labs 04 and 07 count (DDP, ZeroRedundancyOptimizer, FSDP2)
 - ``lablib.parallel.strategies``      lab 11's strategy interface (wrap_model, wrap_optimizer, sync_gradients,
                                       full_weights) and PyTorch's strategies behind it
@@ -53,9 +53,7 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 ``lablib.probes``: observers of the students' code behind the visible checks (properties, never an answer)
 - ``lablib.probes.rehearsal``       ranks as threads of this process: collectives rehearsed in a second before torchrun
 - ``lablib.probes.ring_rehearsal``  lab 02's ring rehearsed on threads (sends and receives matched as gloo matches them)
-- ``lablib.probes.ddp``             lab 06's DDP classes on the ranks
-- ``lablib.probes.ddp_cases``       lab 06's test models and batches
-- ``lablib.probes.ddp_order``       lab 06's overlap verdicts from the order of events
+- ``lablib.probes.harness``         around a student's code on the ranks: a sub-group as the default group, plain SGD
 - ``lablib.probes.zero``            lab 07's ZeRO-1 and ZeRO-2 (vs AdamW, bytes each rank holds, collectives)
 - ``lablib.probes.zero3``           lab 07's ZeRO-3 (gathered per block in both passes, vs AdamW and FSDP2)
 - ``lablib.probes.zero3_cases``     lab 07's ZeRO-3 cases: models cut into units, batches, FSDP2 on the same data
@@ -65,15 +63,7 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 - ``lablib.probes.zero_comm``       the collectives lab 07's classes call, recorded on thread or torchrun ranks
 - ``lablib.probes.zero_checks``     the checks ZeRO-2 and ZeRO-3 share (gradient tap, mean and its rounding bound)
 - ``lablib.probes.zero_lab04``      lab 04's ``bytes_per_rank`` as the reader wrote it, for lab 07
-- ``lablib.probes.tensor_parallel`` lab 08's probes: DTensor's f and g, the groups a run checks, the ranks' records
-- ``lablib.probes.tp_f_g``          lab 08's f and g (autograd Functions, sums, collectives, any input)
-- ``lablib.probes.tp_layers``       lab 08's column/row-parallel layers, MLP and attention vs one process
-- ``lablib.probes.tp_heads``        lab 08's whole heads, and sizes that do not divide refused in full
 - ``lablib.probes.strategy_shards`` lab 11's exercise 2 observed: DTensor's own shards and FSDP2 x TP's placements in fake ranks
-- ``lablib.probes.pipeline``        lab 09's pipeline engine (order, timeline, saved bytes, who waited on whom)
-- ``lablib.probes.pipeline_schedules`` lab 09's schedules graded by what one must do (the 1F1B rule played)
-- ``lablib.probes.pipeline_recorder``  what a pipeline stage ran and when, and the activations it saved
-- ``lablib.probes.pipeline_rehearsal`` lab 09's engine on threads as ranks before torchrun (gloo's send/recv matching)
 - ``lablib.probes.group_rehearsal`` labs 12 and 13 on thread ranks: all_to_all_single (equal or uneven), sub-groups
 
 ``lablib.labs``: one package per lab, everything only that lab uses: its formulas, its probes and checks, its run
@@ -122,6 +112,33 @@ lab, and no shared folder imports a lab (import-linter contracts in pyproject.to
 - ``lablib.labs.context_parallel.cp_idle``    the idle time of the contiguous and zigzag splits, measured on a ring
 - ``lablib.labs.context_parallel.cp_torch``   torch's own FlexAttention context parallelism against one process
 - ``lablib.labs.context_parallel.run``        the torchrun step ``context_parallel``: the exercises and the timings
+- ``lablib.labs.ddp_from_scratch`` lab 06, DDP from scratch: read ``probe`` (what the notebook calls), then ``order``,
+                                   ``cases``, ``run_ddp_scratch``; the measurements: ``timeline``, ``run_ddp_overlap``
+- ``lablib.labs.ddp_from_scratch.probe``   the students' DDP classes on the ranks vs one process, and the graded checks
+- ``lablib.labs.ddp_from_scratch.cases``   the test models (tied, frozen, unused, reordered, routed) and batches
+- ``lablib.labs.ddp_from_scratch.order``   the overlap verdicts from the order of events (PyTorch's reducer's rules)
+- ``lablib.labs.ddp_from_scratch.timeline`` one step's per-rank timeline (CPU clocks on gloo, a profiler trace on GPUs)
+- ``lablib.labs.ddp_from_scratch.run_ddp_scratch`` the torchrun step ``ddp_scratch``: the graded runs of exercises 1 and 3
+- ``lablib.labs.ddp_from_scratch.run_ddp_overlap`` the torchrun step ``ddp_overlap``: timeline, bucket sweep, benchmark
+- ``lablib.labs.tensor_parallel``  lab 08, tensor parallelism: read ``probe`` (what the notebook calls), then ``f_g``,
+                                   ``layers``, ``heads``, ``run``; the GPT steps ``run_tp_gpt`` and ``run_tp_2d``
+- ``lablib.labs.tensor_parallel.probe``  DTensor's f and g (the stand-in), loading, the groups a run checks, the records
+- ``lablib.labs.tensor_parallel.f_g``    exercise 1's f and g (autograd Functions, sums, collectives, any input)
+- ``lablib.labs.tensor_parallel.layers`` the column/row-parallel layers, MLP and attention vs one process
+- ``lablib.labs.tensor_parallel.heads``  whole heads, and sizes that do not divide refused in full
+- ``lablib.labs.tensor_parallel.run``    the torchrun step ``tensor_parallel``: exercises 1-3 on groups of ranks
+- ``lablib.labs.tensor_parallel.run_tp_gpt`` the step ``tp_gpt``: the course GPT by hand and with DTensor's plans
+- ``lablib.labs.tensor_parallel.run_tp_2d``  the step ``tp_2d``: FSDP2 x tensor parallelism on a 2 x 2 mesh
+- ``lablib.labs.pipeline_parallel`` lab 09, pipeline parallelism: read ``probe`` (what the notebook calls), then
+                                   ``schedules``, ``recorder``, ``rehearsal``, ``run_pipeline``; the measurements:
+                                   ``costs``, ``run_pipeline_torch``
+- ``lablib.labs.pipeline_parallel.probe``     the students' engine on the ranks (order, timeline, saved bytes, who waited)
+- ``lablib.labs.pipeline_parallel.schedules`` exercise 1 graded by what any schedule must do (the 1F1B rule played)
+- ``lablib.labs.pipeline_parallel.recorder``  what a pipeline stage ran and when, and the activations it saved
+- ``lablib.labs.pipeline_parallel.rehearsal`` the engine on threads as ranks before torchrun (gloo's send/recv matching)
+- ``lablib.labs.pipeline_parallel.costs``     a measured step as stage times, latency and gap; played again with them
+- ``lablib.labs.pipeline_parallel.run_pipeline``       the torchrun step ``pipeline``: the students' engine on ranks
+- ``lablib.labs.pipeline_parallel.run_pipeline_torch`` the step ``pipeline_torch``: torch's pipelining schedules timed
 - ``lablib.labs.expert_parallel``  lab 13, expert parallelism: read ``moe`` (the layer in one process), then ``probes``
                                    (what the notebook calls), ``ep_dispatch``, ``ep_grads``, ``run``
 - ``lablib.labs.expert_parallel.moe``         the mixture-of-experts MLP in one process (router, gated sum, MoE GPT, formulas)

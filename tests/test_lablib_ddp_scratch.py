@@ -11,9 +11,10 @@ import pytest
 
 from lablib.jobs import config as cfg
 from lablib.jobs import launch
-from lablib.probes import ddp as ddp_probes
-from lablib.probes import ddp_order
-from lablib.runs import ddp_overlap, ddp_scratch
+from lablib.labs.ddp_from_scratch import order as ddp_order
+from lablib.labs.ddp_from_scratch import probe as ddp_probes
+from lablib.labs.ddp_from_scratch import run_ddp_overlap as ddp_overlap
+from lablib.labs.ddp_from_scratch import run_ddp_scratch as ddp_scratch
 
 HOOKED = '''
 import torch, torch.distributed as dist
@@ -207,7 +208,7 @@ def test_exercise_3_may_import_the_module_of_exercise_2(tmp_path):
         "        self.buckets = buckets_impl.assign_buckets([4, 40], cap)\n")
     impl = ddp_probes.load_bucketed_impl(str(tmp_path / "bucketed_impl.py"))
     calls = []
-    ddp_probes._use_torch_assignment(impl, calls)
+    ddp_probes.use_torch_assignment(impl, calls)
     assert impl.DDPBucketed(None, 1.0).buckets == [[0, 1]] and calls[0]["param_bytes"] == [4, 40]
 
 

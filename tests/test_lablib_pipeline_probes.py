@@ -19,11 +19,11 @@ from instructor.references import pipeline as pipeline_ref
 from lablib import checks
 from lablib.jobs import launch
 from lablib.parallel import pipeline
-from lablib.probes import pipeline as pipeline_probes
-from lablib.probes import pipeline_rehearsal
+from lablib.labs.pipeline_parallel import probe as pipeline_probes
+from lablib.labs.pipeline_parallel import rehearsal as pipeline_rehearsal
 from lablib.jobs import config as cfg
 from lablib.course.models import GPT, GPTConfig
-from lablib.runs import pipeline as pipeline_run
+from lablib.labs.pipeline_parallel import run_pipeline as pipeline_run
 
 EXAMPLE = {"gpipe:2:2": ["F0 F1 B0 B1", "F0 F1 B0 B1"], "1f1b:2:3": ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]}
 
@@ -305,7 +305,7 @@ def test_real_ranks_pass_and_a_blocking_send_deadlocks_with_a_message(tmp_path, 
 
 def test_torch_pipelining_runs_the_same_stages(tmp_path, monkeypatch):
     """The comparison run: torch's schedules on gpt_stages give one process's losses; GPipe holds more."""
-    from lablib.runs import pipeline_torch
+    from lablib.labs.pipeline_parallel import run_pipeline_torch as pipeline_torch
 
     with pytest.raises(ValueError, match="unknown"):
         pipeline_torch.Config(schedules=("zb",)).validate()

@@ -1,4 +1,4 @@
-"""lablib.probes.tensor_parallel (and its tp_f_g, tp_layers, tp_heads) and lablib.parallel.tensor_parallel: exercise
+"""lablib.labs.tensor_parallel.probe (and its f_g, layers, heads) and lablib.parallel.tensor_parallel: exercise
 1's check on a correct pair, a swapped one, one that is not autograd Functions and DTensor's (exercises 2 and 3's
 stand-in, which it must refuse), the layer probe's verdicts on stand-in modules at world size 1 (f or g moved out
 of a linear layer included), the refusal of sizes that do not divide (not fooled by digits), the attention's shards
@@ -18,11 +18,12 @@ import torch.nn.functional as F
 import labkit
 from lablib.jobs import launch
 from lablib.parallel import tensor_parallel
-from lablib.probes import tensor_parallel as tp_probes
-from lablib.probes import tp_heads, tp_layers
+from lablib.labs.tensor_parallel import heads as tp_heads
+from lablib.labs.tensor_parallel import layers as tp_layers
+from lablib.labs.tensor_parallel import probe as tp_probes
 from lablib.checks import CheckFailed
 from lablib.course.models import GPT, CausalSelfAttention, GPTConfig
-from lablib.runs import tensor_parallel as tp_run
+from lablib.labs.tensor_parallel import run as tp_run
 
 LAB = "08_tensor_parallel"
 
@@ -120,7 +121,7 @@ def test_dtensors_f_and_g_are_right_but_not_exercise_1_on_one_rank(one_rank):
 
 def test_dtensors_f_and_g_on_two_ranks_are_refused_as_functional_collectives(tmp_path):
     impl = tmp_path / "dtensor_comm_impl.py"
-    impl.write_text("from lablib.probes.tensor_parallel import DTensorFG\n\n_pair = DTensorFG()\nf, g = _pair.f, _pair.g\n")
+    impl.write_text("from lablib.labs.tensor_parallel.probe import DTensorFG\n\n_pair = DTensorFG()\nf, g = _pair.f, _pair.g\n")
     run = launch.run("tensor_parallel", {"impl": str(impl), "exercise": "f_g", "groups": ("2",), "cases": ("plain",)},
                      nproc=2, timeout_s=120, quiet=True)
     record = run.metrics.runs["2:f_g:inputs"]
@@ -456,7 +457,7 @@ def test_a_degree_that_does_not_divide_is_refused_up_front():
 
 
 def test_2d_run_validates_its_mesh_up_front():
-    from lablib.runs import tp_2d
+    from lablib.labs.tensor_parallel import run_tp_2d as tp_2d
 
     with pytest.raises(ValueError, match="must split evenly over data_parallel=3"):
         tp_2d.Config(data_parallel=3).validate()

@@ -86,5 +86,5 @@ def peak_in_flight(kind: str, n_stages: int, n_microbatches: int, stage: int) ->
     return n_microbatches if kind == "gpipe" else min(n_stages - stage, n_microbatches)
 
 
-# What a student's answer may not run while it is checked (lablib.probes.pipeline.answer_without_module).
+# What a student's answer may not run while it is checked (lablib.labs.pipeline_parallel.probe.answer_without_module).
 REFERENCES = (schedule, bubble_fraction, peak_in_flight, in_flight_limit)

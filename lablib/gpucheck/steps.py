@@ -86,8 +86,11 @@ def _probes():
     """The labs' probe modules (imported when a verdict runs: the table itself stays cheap to import)."""
     from lablib.labs.context_parallel import cp_ring, cp_ulysses
     from lablib.labs.expert_parallel import probes as expert_parallel
+    from lablib.labs.ddp_from_scratch import probe as ddp
     from lablib.labs.fault_tolerance import probes as fault_tolerance
-    from lablib.probes import ddp, pipeline, tensor_parallel, zero, zero3
+    from lablib.labs.pipeline_parallel import probe as pipeline
+    from lablib.labs.tensor_parallel import probe as tensor_parallel
+    from lablib.probes import zero, zero3
     return locals()
 
 

@@ -1,4 +1,5 @@
-"""Load the module file a notebook exercise wrote (``%%writefile my_impl.py``) into a run script.
+"""Load the module file a notebook exercise wrote (``%%writefile my_impl.py``) into a run script: ``load_module``,
+or ``load_fresh`` for a file that imports another exercise file beside it; ``require_file`` refuses an unwritten one.
 
 The student's code reaches the torchrun processes only this way: by path, so a fresh process always
 runs what the notebook cell last wrote, and a clear error says which cell to run when the file is missing.
@@ -7,6 +8,7 @@ runs what the notebook cell last wrote, and a clear error says which cell to run
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +34,32 @@ def load_module(path: str, required: tuple[str, ...] = ()) -> ModuleType:
         raise AttributeError(f"{file.name} defines no {', '.join(missing)}; the exercise cell must define "
                              f"{', '.join(required)} with the signature given in the notebook")
     return module
+
+
+def load_fresh(path: str, required: tuple[str, ...] = (), stand_ins: dict[str, ModuleType] | None = None
+               ) -> ModuleType:
+    """``load_module`` for an exercise file that imports another exercise file beside it (lab 06's exercise 3
+    imports exercise 2's ``buckets_impl``, lab 08's layers import exercise 1's f and g). The file's folder becomes
+    importable and every module loaded earlier from that folder is dropped first, so the files as last written are
+    what runs. ``stand_ins`` (module name -> module) answer those imports instead of the student's files while the
+    module loads (a check graded against a reference that the student's other answers cannot break); the names
+    they replaced are restored afterwards."""
+    folder = str(require_file(path).parent)
+    for name, module in list(sys.modules.items()):
+        if os.path.dirname(str(getattr(module, "__file__", "") or "")) == folder:
+            del sys.modules[name]
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    saved = {name: sys.modules.get(name) for name in (stand_ins or {})}
+    sys.modules.update(stand_ins or {})
+    try:
+        return load_module(path, required=required)
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 def unwritten(path: str | Path) -> list[str]:

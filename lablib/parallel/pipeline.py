@@ -177,7 +177,7 @@ def play(orders, t_forward=1.0, t_backward=2.0, chunks: int = 1, latency: float 
     orders: one list per rank of ("F"/"B", micro-batch) or, with chunks > 1, ("F"/"B", micro-batch, chunk).
     t_forward, t_backward: one micro-batch's forward and backward through a rank's whole share of the model
     (with v chunks, each chunk takes 1/v of them): one number for every rank, or one per rank (stages of unequal
-    cost, as measured: ``lablib.measure.pipeline_costs``). latency: from the end of an operation to the moment
+    cost, as measured: ``lablib.labs.pipeline_parallel.costs``). latency: from the end of an operation to the moment
     its output can be used on another rank (the message); gap: between two operations of one rank (the
     engine's own work: Python, receives posted, hooks). Returns one list of ``Op`` per rank, in time order; raises
     ``Deadlock`` when ranks wait for each other (or for an operation no rank's list has) and ``ValueError``
@@ -250,7 +250,7 @@ def _timing(op) -> tuple[str, int, float, float]:
 
 def busy_and_span(timeline) -> tuple[list[float], float]:
     """Per rank the time it computed (forwards and backwards), and the step: first start to last end. timeline:
-    one list per rank of ``Op`` (played) or [kind, micro-batch, start, end] (measured by lablib.probes.pipeline)."""
+    one list per rank of ``Op`` (played) or [kind, micro-batch, start, end] (measured by lablib.labs.pipeline_parallel.probe)."""
     ops = [[_timing(op) for op in rank_ops] for rank_ops in timeline]
     start = min(op[2] for rank_ops in ops for op in rank_ops)
     end = max(op[3] for rank_ops in ops for op in rank_ops)

@@ -77,7 +77,8 @@ def lab_modules(labs_dir: str, standins: bool = False, bucket_size_mb: float = 0
                 ) -> tuple[SimpleNamespace, dict[str, str]]:
     """The classes the rows need, each the student's where its file is written (unless ``standins``), else a
     stand-in; and for each piece a line saying which it is (and which lab writes the missing file)."""
-    from lablib.probes.ddp import load_bucketed_impl, load_impl
+    from lablib.jobs.exercise import load_fresh as load_impl
+    from lablib.parallel.ddp_buckets import load_bucketed_impl
 
     root = Path(labs_dir).expanduser().resolve()
     found, source = {}, {}

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from lablib import checks
 from lablib.measure.collective_log import CollectiveLog
 from lablib.measure.rankcheck import bound_ratio, gather_objects, max_abs_diff, weight_spread
-from lablib.probes.ddp import default_group
+from lablib.probes.harness import default_group
 from lablib.probes.zero_cases import (CASES, CLASSES, LATE_GROUP, LR, WEIGHT_DECAY, batch, build, dtype_of,
                                       error_in_impl, lr_factor, micro_batches, param_groups)
 from lablib.probes.zero_checks import GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound

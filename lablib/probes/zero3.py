@@ -33,7 +33,7 @@ from lablib import checks
 from lablib.measure.collective_log import CollectiveLog
 from lablib.measure.memory import unique_storage_bytes
 from lablib.measure.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects
-from lablib.probes.ddp import default_group
+from lablib.probes.harness import default_group
 from lablib.probes.zero_cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, error_in_impl, micro_batches
 from lablib.probes.zero_checks import (GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound,
                                        mixed_mean_gradient_and_bound)

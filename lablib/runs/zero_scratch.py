@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lablib.jobs import script
-from lablib.probes.ddp import load_impl
+from lablib.jobs.exercise import load_fresh as load_impl
 from lablib.jobs.exercise import require_file
 from lablib.probes import zero as zero_probes, zero3 as zero3_probes
 from lablib.probes.zero_cases import CASES, CLASSES

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from lablib.measure import counting, memory, rankcheck, timing
 from lablib.jobs import script
-from lablib.probes.ddp import load_impl
+from lablib.jobs.exercise import load_fresh as load_impl
 from lablib.jobs.exercise import require_file
 from lablib.course.models import GPT
 from lablib.parallel import zero_states

@@ -36,16 +36,16 @@ def _f_g_replaced(by: str) -> str:
 
 WRONG_ANSWERS = {
     "tp_f_g": [
-        ("f and g imported from lablib's old reference pair (lablib.probes.tensor_parallel.reference_f and reference_g, gone: "
+        ("f and g imported from lablib's old reference pair (reference_f and reference_g of lab 08's probe, gone: "
          "the import fails)", _f_g_replaced(
-            "from lablib.probes.tensor_parallel import reference_f as f  # noqa: E402\n"
-            "from lablib.probes.tensor_parallel import reference_g as g  # noqa: E402")),
+            "from lablib.labs.tensor_parallel.probe import reference_f as f  # noqa: E402\n"
+            "from lablib.labs.tensor_parallel.probe import reference_g as g  # noqa: E402")),
         ("f and g copied when the module loads from the code objects of lablib's old reference pair (which "
          "checks.answer_without, swapping the original's code during the check, never saw): gone, the copy fails",
          _f_g_replaced('''
 import types  # noqa: E402
 
-from lablib.probes import tensor_parallel as tp_probes  # noqa: E402
+from lablib.labs.tensor_parallel import probe as tp_probes  # noqa: E402
 
 f = types.FunctionType(tp_probes.reference_f.__code__, tp_probes.reference_f.__globals__)
 g = types.FunctionType(tp_probes.reference_g.__code__, tp_probes.reference_g.__globals__)
@@ -54,7 +54,7 @@ g = types.FunctionType(tp_probes.reference_g.__code__, tp_probes.reference_g.__g
          "DTensor's functional collectives, and none at all on one rank", _f_g_replaced('''
 import types  # noqa: E402
 
-from lablib.probes.tensor_parallel import DTensorFG  # noqa: E402
+from lablib.labs.tensor_parallel.probe import DTensorFG  # noqa: E402
 
 _pair = DTensorFG()
 f = types.MethodType(types.FunctionType(DTensorFG.f.__code__, DTensorFG.f.__globals__), _pair)
@@ -62,7 +62,7 @@ g = types.MethodType(types.FunctionType(DTensorFG.g.__code__, DTensorFG.g.__glob
 ''')),
         ("f and g delegate to lablib's DTensorFG (exercises 2 and 3's stand-in) instead of the autograd functions",
          _f_g_replaced('''
-from lablib.probes.tensor_parallel import DTensorFG  # noqa: E402
+from lablib.labs.tensor_parallel.probe import DTensorFG  # noqa: E402
 
 _COURSE = DTensorFG()
 

@@ -31,7 +31,7 @@ _SHOWN = {(kind, p, m): _reference.schedule(kind, p, m) for kind in _reference.K
 
 
 # Exercise 2's wrong answers fail before the torchrun start: at one stage in this process, or on threads as ranks
-# (lablib.probes.pipeline_rehearsal; the deadlock the issue asks for is named there). Where the red team's answer
+# (lablib.labs.pipeline_parallel.rehearsal; the deadlock the issue asks for is named there). Where the red team's answer
 # makes the same mistake as one of the course's, the course's is dropped (the red team's is added at the end):
 # 1F1B's warm-up p - s and p - s - 1 uncapped, no error below one micro-batch; the loss not divided by m, ops
 # ignored; the bubble (p-1)/m, 1F1B's peak one short and p on every stage; answer (a).

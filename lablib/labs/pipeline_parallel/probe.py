@@ -1,4 +1,4 @@
-"""Lab 09's probe of the students' engine (exercise 1's checks: ``lablib.probes.pipeline_schedules``).
+"""Lab 09's probe of the students' engine (exercise 1's checks: ``schedules``).
 
 ``probe_engine`` runs one training step of the student's ``pipeline_step`` on this rank's stage of the
 course GPT (``lablib.parallel.pipeline.gpt_stages``), with the op lists it is given (the notebook writes them out for
@@ -11,7 +11,7 @@ the visible cases; never the student's exercise 1), and records
 - every send/recv the engine called, with its peer and launch/done times (``lablib.measure.counting``);
 - the stage's gradients and the micro-batches' losses;
 - the step on a stopwatch, from the common start (a barrier) to this rank's return, as
-  ``lablib.runs.pipeline_torch`` times torch's schedules (per step the slowest rank);
+  ``run_pipeline_torch`` times torch's schedules (per step the slowest rank);
 - with ``memory=True``, the saved activations autograd really held at its peak
   (``lablib.measure.memory.MemoryTimeline``, as for torch's schedules): an engine that keeps what it should
   have freed shows here, not in the event order.
@@ -39,14 +39,14 @@ import torch.distributed.distributed_c10d as c10d
 from lablib import checks
 from lablib.measure import counting
 from lablib.parallel import pipeline
-from lablib.probes.ddp import default_group
+from lablib.probes.harness import default_group
 from lablib.jobs.distenv import DistEnv
 from lablib.jobs.exercise import load_module
 from lablib.measure.memory import MemoryTimeline
 from lablib.course.models import GPT, GPTConfig
-from lablib.probes.pipeline_recorder import StageRecorder, peak_saved_bytes  # noqa: F401 - the notebook reads them here
-from lablib.probes.pipeline_schedules import (FUNCTIONS, answer_without_module, check_same_schedule,  # noqa: F401
-                                              check_schedule)
+from lablib.labs.pipeline_parallel.recorder import StageRecorder, peak_saved_bytes  # noqa: F401 - the notebook reads them here
+from lablib.labs.pipeline_parallel.schedules import (FUNCTIONS, answer_without_module,  # noqa: F401
+                                                     check_same_schedule, check_schedule)
 
 SMALL = GPTConfig(vocab_size=17, block_size=8, n_layer=4, n_head=2, n_embd=16)
 

@@ -1,12 +1,12 @@
-"""Lab 08's probe of the students' tensor-parallel code: what the graded runs share (``lablib.runs.tensor_parallel``
-runs the probes on 2-4 ranks; the notebook runs ``probe_without_processes`` at world size 1 first, a quick
+"""Lab 08's probe of the students' tensor-parallel code: what the graded runs share (``run``, the step
+``tensor_parallel``, runs the probes on 2-4 ranks; the notebook runs ``probe_without_processes`` at world size 1 first, a quick
 pre-check before a torchrun start). One module per exercise's probe and checks:
 
-- ``lablib.probes.tp_f_g``: exercise 1, Megatron's f and g (Shoeybi et al., 2019, arXiv:1909.08053, section 3),
+- ``f_g``: exercise 1, Megatron's f and g (Shoeybi et al., 2019, arXiv:1909.08053, section 3),
   autograd Functions calling torch.distributed's all_reduce;
-- ``lablib.probes.tp_layers``: exercises 2 and 3, ``ColumnParallelLinear``, ``RowParallelLinear`` (each graded
+- ``layers``: exercises 2 and 3, ``ColumnParallelLinear``, ``RowParallelLinear`` (each graded
   alone), ``TensorParallelMLP`` and ``TensorParallelAttention`` against the single-process module;
-- ``lablib.probes.tp_heads``: whole heads, and the sizes a group does not divide, refused with a full message.
+- ``heads``: whole heads, and the sizes a group does not divide, refused with a full message.
 
 Here: ``DTensorFG`` (DTensor's own f and g, which exercises 2 and 3 import while they are graded, so a wrong
 exercise 1 cannot cost them their points), ``load_impl``, the groups a run checks, the ranks' records merged, and
@@ -16,7 +16,6 @@ the world-size-1 pre-check. The notebook reaches every probe and check through t
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import types
 from collections import Counter
@@ -25,15 +24,15 @@ import torch
 import torch.distributed as dist
 
 from lablib.jobs.distenv import DistEnv
-from lablib.jobs.exercise import load_module, require_file
+from lablib.jobs.exercise import load_fresh
+from lablib.labs.tensor_parallel.f_g import check_f_g, merge_f_g, probe_f_g  # noqa: F401 - the notebook's names
+from lablib.labs.tensor_parallel.heads import check_indivisible, head_split_problems, probe_indivisible  # noqa: F401
+from lablib.labs.tensor_parallel.layers import CLASSES, KINDS, check_layer, probe_layer  # noqa: F401
 from lablib.measure.rankcheck import gather_objects
-from lablib.probes.tp_f_g import check_f_g, merge_f_g, probe_f_g  # noqa: F401 - the notebook's names
-from lablib.probes.tp_heads import check_indivisible, head_split_problems, probe_indivisible  # noqa: F401
-from lablib.probes.tp_layers import CLASSES, KINDS, check_layer, probe_layer  # noqa: F401
 
 COMM_MODULE = "tp_comm_impl"     # exercise 1's file (tp_comm_impl.py); exercises 2 and 3 import f and g from it
 # exercise -> the names its file must define
-REQUIRED = {"f_g": ("f", "g"),              # the autograd Functions: checked by the probe (tp_f_g)
+REQUIRED = {"f_g": ("f", "g"),              # the autograd Functions: checked by the probe (f_g)
             "mlp": ("ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP"),
             "attention": ("TensorParallelAttention",)}
 
@@ -126,21 +125,13 @@ def load_impl(path: str, required: tuple[str, ...], reference_comm: bool | str):
     ``DTensorFG``'s f and g, whatever exercise 1's file holds, and the module gets the pair as ``course_f_g`` (its
     ``calls`` tell the checks where f and g were called). ``reference_comm="threads"``: ``ThreadFG`` instead,
     for the thread rehearsal."""
-    folder = str(require_file(path).parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    sys.modules.pop(COMM_MODULE, None)          # an older tp_comm_impl: the file as last written is what runs
-    if reference_comm:
-        stand_in, pair = types.ModuleType(COMM_MODULE), (ThreadFG() if reference_comm == "threads" else DTensorFG())
-        stand_in.f, stand_in.g = pair.f, pair.g
-        sys.modules[COMM_MODULE] = stand_in
-    try:
-        module = load_module(path, required=required)
-        if reference_comm:
-            module.course_f_g = pair
-        return module
-    finally:
-        sys.modules.pop(COMM_MODULE, None)
+    if not reference_comm:
+        return load_fresh(path, required=required)
+    stand_in, pair = types.ModuleType(COMM_MODULE), (ThreadFG() if reference_comm == "threads" else DTensorFG())
+    stand_in.f, stand_in.g = pair.f, pair.g
+    module = load_fresh(path, required=required, stand_ins={COMM_MODULE: stand_in})
+    module.course_f_g = pair
+    return module
 
 
 def parse_groups(spec: str) -> tuple[int, int]:

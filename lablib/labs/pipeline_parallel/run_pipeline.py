@@ -1,17 +1,17 @@
 """Lab 09's step: the students' pipeline engine on real ranks, graded or timed.
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.pipeline --impl engine_impl.py --out out.json \\
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.pipeline_parallel.run_pipeline --impl engine_impl.py --out out.json \\
         --cases gpipe:2:2,1f1b:2:3 --orders "F0 F1 B0 B1/F0 F1 B0 B1,F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2"
 
 Each case is "schedule:stages:micro-batches" (a label: the schedule's name, p and m), and its entry in
 ``orders`` the op lists the engine runs, rank by rank ("/" between ranks; ``lablib.parallel.pipeline.orders_text``):
 the run makes no schedule of its own. The job has as many processes as the largest case has stages, and a
 case on p stages runs on ranks 0..p-1 (the others wait for it, lab 06's turns). What each rank does and
-records is ``lablib.probes.pipeline.probe_engine``: one step, on a process group of its own with a short
+records is ``probe.probe_engine``: one step, on a process group of its own with a short
 timeout, so a deadlock ends in a message instead of a hang. The graded run stops at the first case that
 fails. With ``--repeat n`` (the measurement) each case runs n times and the step of median idle time is kept
 (the first one warms up and is left out), with every timed step's idle share and stopwatch time (per step the
-slowest rank, as ``lablib.runs.pipeline_torch`` times torch's schedules); then one more step under
+slowest rank, as ``run_pipeline_torch`` times torch's schedules); then one more step under
 ``lablib.measure.memory.MemoryTimeline`` gives the saved activations each rank really held at its peak.
 """
 
@@ -23,7 +23,7 @@ from lablib.jobs import script
 from lablib.jobs.exercise import require_file
 from lablib.course.models import GPTConfig
 from lablib.parallel.pipeline import idle_fraction, parse_orders
-from lablib.probes.pipeline import SMALL, check_orders, load_engine, parse_case, probe_engine
+from lablib.labs.pipeline_parallel.probe import SMALL, check_orders, load_engine, parse_case, probe_engine
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Lab 06's overlap verdicts: was each all-reduce launched as early as the rule allows, and waited for only
-after the backward? Pure functions of one step's record (``lablib.probes.ddp.probe_case``), never a duration.
+after the backward? Pure functions of one step's record (``probe.probe_case``), never a duration.
 
 The record holds, per step, on one rank: ``ready``, the order in which the parameters' gradients became final on
 this rank (the probe's own ``register_post_accumulate_grad_hook``, registered before the student's, so it runs

@@ -16,7 +16,7 @@ saves for the backward in the first forward with ``lablib.measure.memory.SavedAc
 runs ``timed_steps`` more steps uninstrumented, each after a barrier, timed with ``lablib.measure.timing``
 (the slowest rank's step, median over the steps).
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.tp_gpt --mlp-impl tp_mlp_impl.py \\
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.tensor_parallel.run_tp_gpt --mlp-impl tp_mlp_impl.py \\
         --attention-impl tp_attention_impl.py --steps 3 --out out.json
 
 Each variant trains ``steps`` plain SGD steps; the losses per step, the largest difference of every gathered
@@ -40,8 +40,8 @@ from lablib.measure import counting, timing
 from lablib.course import data
 from lablib.jobs import script
 from lablib.parallel import tensor_parallel
-from lablib.probes import tensor_parallel as tp_probes
-from lablib.probes.ddp import sgd_step_, zero_grad_
+from lablib.labs.tensor_parallel import probe as tp_probes
+from lablib.probes.harness import sgd_step_, zero_grad_
 from lablib.measure.memory import SavedActivations
 from lablib.course.models import GPT, gpt_config
 

@@ -1,6 +1,6 @@
 """What a measured pipeline step cost, in the terms of ``lablib.parallel.pipeline.play``'s timing model.
 
-A measured timeline (one list per rank of [kind, micro-batch, start, end], as ``lablib.probes.pipeline`` records
+A measured timeline (one list per rank of [kind, micro-batch, start, end], as ``probe`` records
 it) gives, from the same run:
 
 - per rank, the median forward and backward of one micro-batch (stages are not equal: the last one also

@@ -1,13 +1,13 @@
 """Lab 06's graded step: the students' ``DDPIndividualParameters`` and ``DDPBucketed`` on real ranks.
 
-    torchrun --standalone --nproc-per-node 3 -m lablib.runs.ddp_scratch --impl ddp_bucketed_impl.py \\
+    torchrun --standalone --nproc-per-node 3 -m lablib.labs.ddp_from_scratch.run_ddp_scratch --impl ddp_bucketed_impl.py \\
         --wrapper bucketed --world-sizes 2,3 --cases mlp,tied --out out.json
 
 One torchrun start checks several world sizes: the job has max(world_sizes) processes, and for world size
 n the first n ranks form a group of their own that stands in as the default group while the student's
-class runs (``ddp_probes.default_group``; the full world size gets its own group too), so code written for ``dist.all_reduce(t)`` without a group
+class runs (``lablib.probes.harness.default_group``; the full world size gets its own group too), so code written for ``dist.all_reduce(t)`` without a group
 argument runs on n ranks; the other ranks wait at the next barrier (lab 03 takes turns the same way). What
-each rank does and records is ``lablib.probes.ddp.probe_case``.
+each rank does and records is ``probe.probe_case``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lablib.jobs import script
-from lablib.probes.ddp import CASES, WRAPPERS, load_bucketed_impl, load_impl, probe_case
-from lablib.jobs.exercise import require_file
+from lablib.jobs.exercise import load_fresh, require_file
+from lablib.labs.ddp_from_scratch.probe import CASES, WRAPPERS, probe_case
+from lablib.parallel.ddp_buckets import load_bucketed_impl
 
 
 GROUP_TIMEOUT_S = 60   # a collective of the student's class on a case's group: an error after this, never a hang
@@ -59,7 +60,7 @@ class Config:
 
 def run(env, config: Config) -> dict:
     impl = load_bucketed_impl(config.impl) if config.wrapper == "bucketed" else \
-        load_impl(config.impl, required=(WRAPPERS[config.wrapper],))
+        load_fresh(config.impl, required=(WRAPPERS[config.wrapper],))
     # Every rank creates every group in the same order (new_group is collective). A group of its own for every
     # world size, the full one too: a wrong answer whose ranks issue mismatched all-reduces may leave its group
     # broken, never the default group the barriers use; its timeout turns a hang into an error within a minute.

@@ -6,8 +6,8 @@ of the course GPT: ``torch.distributed``'s ``send``, ``recv``, ``isend``, ``irec
 receives matched in posting order per pair of ranks, a blocking send returns once the peer's receive is posted, as
 on gloo; a deadlock is seen at once and named: who waited on whom), ``get_rank`` and ``get_world_size`` by the
 thread's rank (replaced as ``lablib.probes.rehearsal`` replaces them). Each result is what
-``lablib.probes.pipeline.summarize`` makes of the real ranks' records, so ``check_engine`` judges it the same way (the order each stage ran, losses and gradients
-against one process). A wrong gradient, a wrong order or a deadlock shows here in a second instead of after a
+``probe.summarize`` makes of the real ranks' records, so ``check_engine`` judges it the same way (the order
+each stage ran, losses and gradients against one process). A wrong gradient, a wrong order or a deadlock shows here in a second instead of after a
 4-rank start.
 
 Like every rehearsal it is never a graded or measured result: the real run on processes follows it. An engine this
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from lablib import checks
 from lablib.course.models import GPT, GPTConfig
 from lablib.parallel import pipeline
-from lablib.probes.pipeline import SMALL, _op_lists, batch, check_engine, check_orders, parse_case, summarize
-from lablib.probes.pipeline_recorder import StageRecorder
+from lablib.labs.pipeline_parallel.probe import SMALL, _op_lists, batch, check_engine, check_orders, parse_case, summarize
+from lablib.labs.pipeline_parallel.recorder import StageRecorder
 from lablib.probes.rehearsal import RehearsalDeadlock, RehearsalUnsupported, _patched
 from lablib.probes.ring_rehearsal import run_in_threads
 

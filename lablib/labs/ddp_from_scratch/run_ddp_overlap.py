@@ -1,12 +1,12 @@
 """Lab 06's measurements: the students' DDP classes against PyTorch's DDP on the course GPT, on 2 ranks.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m lablib.runs.ddp_overlap --out out.json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m lablib.labs.ddp_from_scratch.run_ddp_overlap --out out.json
 
 Four parts, one torchrun start, every variant trained from the same initial weights on the same batches
 (Tiny Shakespeare, each rank its contiguous half of every global batch):
 
 - ``timeline``: one step of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP, per rank
-  (``lablib.measure.ddp_timeline``: perf_counter on the CPU, a profiler trace on GPUs), and the hidden fraction
+  (``timeline``: perf_counter on the CPU, a profiler trace on GPUs), and the hidden fraction
   by DDP's own definition, next to what DDP's reducer reports about itself (its iterations 1-10).
 - ``sweep``: median step time of ``DDPBucketed`` at bucket caps from one bucket per parameter to one bucket,
   all caps taking turns step by step, with the parts the alpha-beta model needs measured in the same run:
@@ -36,14 +36,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib.course import commcost, data, scaling
 from lablib.measure import counting, timing
-from lablib.measure.ddp_timeline import BlockTimes, overlap_fraction, record_step  # noqa: F401 - overlap_fraction: interface
+from lablib.labs.ddp_from_scratch.timeline import BlockTimes, overlap_fraction, record_step  # noqa: F401 - overlap_fraction: interface
 from lablib.jobs import script
 from lablib.jobs import config as cfg
-from lablib.jobs.exercise import require_file
+from lablib.jobs.exercise import load_fresh, require_file
 from lablib.course.models import GPT, gpt_config
 from lablib.measure.rankcheck import gather_objects
-from lablib.probes.ddp import load_impl
-from lablib.probes.ddp_order import buckets_and_usage_map
+from lablib.labs.ddp_from_scratch.order import buckets_and_usage_map
 
 
 COMPRESSION_CAP_MB = 1000.0
@@ -369,8 +368,8 @@ def compression(env, config: Config, batches: Batches) -> dict:
 
 def run(env, config: Config) -> dict:
     impl = SimpleNamespace(
-        DDPIndividualParameters=load_impl(config.individual_impl, ("DDPIndividualParameters",)).DDPIndividualParameters,
-        DDPBucketed=load_impl(config.bucketed_impl, ("DDPBucketed",)).DDPBucketed)
+        DDPIndividualParameters=load_fresh(config.individual_impl, ("DDPIndividualParameters",)).DDPIndividualParameters,
+        DDPBucketed=load_fresh(config.bucketed_impl, ("DDPBucketed",)).DDPBucketed)
     batches = Batches(config, env)
     result = {"threads_per_rank": torch.get_num_threads(), "n_params": new_gpt(config, env).num_params()}
     parts = {"timeline": lambda: timeline(env, config, impl, batches),

@@ -1,13 +1,13 @@
 """Lab 08's graded step: the students' f and g, tensor-parallel MLP or attention on real ranks.
 
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.tensor_parallel --impl tp_mlp_impl.py \\
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.tensor_parallel.run --impl tp_mlp_impl.py \\
         --exercise mlp --groups 2x2,3,4 --cases bias,nobias,indivisible --steps 3 --out out.json
 
 One torchrun start checks several tensor-parallel sizes (``groups``): "4" is ranks 0-3 as one group; "3" is
 ranks 0-2 (rank 3 waits at the next barrier), with that group standing in as the default group so code that
 forgets the group argument still runs there; "2x2" is two groups, ranks {0, 1} and {2, 3}, at the same time:
 code that reduces over the default group instead of the group passed in sums over 4 ranks there and fails.
-What each rank does and records is ``lablib.probes.tensor_parallel``; the records of a group's ranks are merged on its
+What each rank does and records is ``probe``; the records of a group's ranks are merged on its
 first. Exercise 2 (``mlp``) grades ``ColumnParallelLinear``, ``RowParallelLinear`` and ``TensorParallelMLP``, each
 alone (``tp_probes.KINDS``); its records are named "<groups>:<kind>:<case>".
 """
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lablib.jobs import script
-from lablib.probes import tensor_parallel as tp_probes
-from lablib.probes.ddp import default_group
+from lablib.labs.tensor_parallel import probe as tp_probes
+from lablib.probes.harness import default_group
 
 EXERCISES = tp_probes.REQUIRED
-# layer cases (lablib.probes.tp_layers.CASES) and the refusal of a size the group does not divide; f and g's inputs
-# (lablib.probes.tp_f_g.INPUTS)
+# layer cases (``layers.CASES``) and the refusal of a size the group does not divide; f and g's inputs
+# (``f_g.INPUTS``)
 LAYER_CASES = {"bias", "nobias", "nograd", "noncontig", "shape", "bf16", "indivisible"}
 F_G_CASES = {"plain", "bf16", "noncontig", "nograd"}
 

@@ -37,8 +37,8 @@ from lablib.course.models import CausalSelfAttention, GPTConfig, MLPBlock
 from lablib.measure import counting
 from lablib.measure.rankcheck import gamma, gather_objects
 from lablib.parallel.tensor_parallel import assembled, contiguous_index, index_by_value
-from lablib.probes.ddp import LR, sgd_step_, zero_grad_
-from lablib.probes.tp_heads import head_split_problems
+from lablib.probes.harness import LR, sgd_step_, zero_grad_
+from lablib.labs.tensor_parallel.heads import head_split_problems
 
 CLASSES = {"column": "ColumnParallelLinear", "row": "RowParallelLinear", "mlp": "TensorParallelMLP",
            "attention": "TensorParallelAttention"}

@@ -1,5 +1,5 @@
 """Lab 06's probe of the students' ``DDPIndividualParameters`` and ``DDPBucketed``: what their classes do on
-the ranks, and the graded checks of it (``lablib.runs.ddp_scratch`` runs it on 2-4 ranks; the notebook runs
+the ranks, and the graded checks of it (``run_ddp_scratch`` runs it on 2-4 ranks; the notebook runs
 ``probe_without_processes`` at world size 1 first, a quick pre-check before a torchrun start).
 
 For every case (a small model; see ``CASES``) the student's wrapper trains a few SGD steps, each on a new
@@ -11,133 +11,36 @@ when it was launched and finished, whether it was asynchronous) and when ``loss.
 overlap is seen in the order of events, never assumed from a duration.
 
 For ``DDPBucketed`` the module's ``assign_buckets`` is replaced, for the probe, by PyTorch's own bucket
-assignment (``torch_bucket_assignment``, the one DDP uses), so the class is graded whatever the student's
-``assign_buckets`` returns; the sizes it was called with are recorded. No exercise's answer is here: the
+assignment (``lablib.parallel.ddp_buckets.torch_bucket_assignment``, the one DDP uses), so the class is graded
+whatever the student's ``assign_buckets`` returns; the sizes it was called with are recorded. No exercise's answer is here: the
 references are PyTorch's bucket assignment and a single process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import time
-import types
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-import torch.nn as nn
 
 from lablib import checks
 from lablib.jobs.distenv import DistEnv
-from lablib.jobs.exercise import load_module, require_file
+from lablib.jobs.exercise import load_fresh as load_impl  # noqa: F401 - the notebook's loader (ddp_probes.load_impl)
+from lablib.labs.ddp_from_scratch import order as ddp_order
+from lablib.labs.ddp_from_scratch.cases import CASES, global_batch, loss_of, reference_loss
 from lablib.measure import counting
 from lablib.measure.rankcheck import (FP32_UNIT_ROUNDOFF, FP64_UNIT_ROUNDOFF, max_abs_diff, sgd_rounding_bound,
                                       weight_spread)
-from lablib.probes import ddp_order
-from lablib.probes.ddp_cases import CASES, global_batch, loss_of, reference_loss
+from lablib.parallel.ddp_buckets import load_bucketed_impl  # noqa: F401 - the notebook's loader of exercise 3
+from lablib.parallel.ddp_buckets import torch_bucket_assignment, use_torch_assignment
+from lablib.probes.harness import LR, default_group, sgd_step_, unique_trainable, zero_grad_
 
 WRAPPERS = {"individual": "DDPIndividualParameters", "bucketed": "DDPBucketed"}
-MIB = 2**20
 
 
 # --- recording what the student's code calls ---------------------------------------------------------------------
-
-@contextlib.contextmanager
-def default_group(group):
-    """Let ``group`` stand in as the default process group (None: leave it). Code that calls collectives
-    without a group argument then runs on group's ranks; its ranks are 0..n-1, so ranks agree."""
-    if group is None:
-        yield
-        return
-    world = c10d._world
-    saved = world.default_pg
-    world.default_pg = group
-    try:
-        yield
-    finally:
-        world.default_pg = saved
-
-
-def torch_bucket_assignment(calls: list):
-    """An ``assign_buckets(param_bytes, bucket_size_mb)`` that answers with PyTorch's own assignment (DDP's:
-    parameters in the given order, a bucket closed once it holds at least the cap) and records its calls."""
-    def assign_buckets(param_bytes, bucket_size_mb):
-        sizes = [int(b) for b in param_bytes]
-        calls.append({"param_bytes": sizes, "bucket_size_mb": float(bucket_size_mb)})
-        tensors = [torch.empty(max(1, b // 4)) for b in sizes]
-        buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [max(1, int(bucket_size_mb * MIB))])
-        return sorted((list(b) for b in buckets), key=min)
-    return assign_buckets
-
-
-def load_impl(path: str, required: tuple[str, ...] = ()):
-    """The exercise module at path, loaded fresh, with its folder importable: exercise 3's module imports
-    exercise 2's ``assign_buckets`` from ``buckets_impl.py`` beside it. Modules from that folder loaded
-    earlier (an older ``buckets_impl``) are dropped first, so the file as last written is what runs."""
-    folder = str(require_file(path).parent)
-    for name, module in list(sys.modules.items()):
-        if os.path.dirname(str(getattr(module, "__file__", "") or "")) == folder:
-            del sys.modules[name]
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return load_module(path, required=required)
-
-
-def load_bucketed_impl(path: str):
-    """Exercise 3's module with a stand-in for exercise 2's ``buckets_impl`` (it imports ``assign_buckets`` from
-    there, either way: ``from buckets_impl import assign_buckets`` or ``import buckets_impl``): a missing or broken
-    exercise 2 cannot cost exercise 3 its points; ``probe_case`` points both at PyTorch's assignment."""
-    stand_in = types.ModuleType("buckets_impl")
-    stand_in.assign_buckets = torch_bucket_assignment([])
-    saved = sys.modules.get("buckets_impl")
-    sys.modules["buckets_impl"] = stand_in
-    try:
-        impl = load_impl(path, required=("DDPBucketed",))
-    finally:
-        if saved is None:
-            sys.modules.pop("buckets_impl", None)
-        else:
-            sys.modules["buckets_impl"] = saved
-    impl._buckets_stand_in = stand_in
-    return impl
-
-
-def _use_torch_assignment(impl, calls: list) -> None:
-    """Every name under which the module reaches exercise 2's ``assign_buckets`` answers with PyTorch's."""
-    stand_in = getattr(impl, "_buckets_stand_in", None)
-    assign = torch_bucket_assignment(calls)
-    if stand_in is not None:
-        for name, value in list(vars(impl).items()):
-            if value is stand_in.assign_buckets:
-                setattr(impl, name, assign)
-        stand_in.assign_buckets = assign
-    if not hasattr(impl, "assign_buckets") or stand_in is None:
-        impl.assign_buckets = assign
-
-
-def zero_grad_(params) -> None:
-    for p in params:
-        p.grad = None
-
-
-LR = 0.1   # the probe's SGD learning rate (the wrapper and the reference alike)
-
-
-def sgd_step_(params, lr: float = LR) -> None:
-    """Plain SGD, p <- p - lr * grad, the same arithmetic as torch.optim.SGD without momentum. Not torch.optim
-    itself: its first use imports torch._dynamo, seconds of CPU in every rank of every graded run."""
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-lr)
-
-
-def unique_trainable(model: nn.Module) -> list[torch.nn.Parameter]:
-    """Trainable parameters, each once (a tied weight is one parameter), in registration order."""
-    return [p for p in model.parameters() if p.requires_grad]
-
 
 @contextlib.contextmanager
 def watch_waits(recorder, waits: list):
@@ -166,7 +69,7 @@ def probe_case(impl, wrapper: str, case_name: str, env, group=None, steps: int |
 
     Returns what the checks compare: the broadcast bytes at construction against the model's parameter and
     buffer bytes, whether ``.module`` and ``parameters()`` are the model's, per step the order of events
-    (``lablib.probes.ddp_order``: gradients becoming final, all-reduces launched, waits, backward's return), which
+    (``order``: gradients becoming final, all-reduces launched, waits, backward's return), which
     gradients are None after the synchronization and which parameters no rank used, the calls to assign_buckets,
     the buckets PyTorch would form, and the largest distance, over the steps, of the weights from the
     single-process reference and between the ranks.
@@ -187,7 +90,7 @@ def probe_case(impl, wrapper: str, case_name: str, env, group=None, steps: int |
     for i, p in enumerate(ready_order):                   # registered before the student's hooks: runs first
         p.register_post_accumulate_grad_hook(lambda _, i=i: ready.append((time.perf_counter(), i)))
     if wrapper == "bucketed":
-        _use_torch_assignment(impl, assign_calls)
+        use_torch_assignment(impl, assign_calls)
         out["expected_buckets"] = torch_bucket_assignment([])(out["param_bytes"], cap)
         out["expected_bucket_bytes"] = [sum(out["param_bytes"][i] for i in b) for b in out["expected_buckets"]]
     out["n_trainable"] = len(ready_order)

@@ -1,4 +1,4 @@
-"""Lab 06's test cases: the small models ``lablib.probes.ddp`` trains under the students' DDP classes, each with
+"""Lab 06's test cases: the small models ``probe`` trains under the students' DDP classes, each with
 the feature it checks, their batches, and the loss the single-process reference minimises.
 
 Every model is smooth (tanh, GELU), as ``rankcheck.sgd_rounding_bound`` requires. Three models exist to check

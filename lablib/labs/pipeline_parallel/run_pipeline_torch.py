@@ -1,6 +1,6 @@
 """Lab 09's comparison: the same GPT stages under ``torch.distributed.pipelining``'s schedules.
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.pipeline_torch --n-microbatches 8 --out out.json
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.pipeline_parallel.run_pipeline_torch --n-microbatches 8 --out out.json
 
 For each schedule the GPT is cut into p x v chunks (``lablib.parallel.pipeline.gpt_stages``, the last one returning
 logits; the loss is the schedule's ``loss_fn``), rank r holds chunks r, r + p, ... (ZBV: r and 2p - 1 - r,
@@ -23,7 +23,7 @@ from lablib.jobs import script
 from lablib.measure import timing
 from lablib.measure.memory import MemoryTimeline
 from lablib.course.models import GPT, GPTConfig
-from lablib.probes.pipeline import SMALL, batch, reference
+from lablib.labs.pipeline_parallel.probe import SMALL, batch, reference
 from lablib.measure.rankcheck import gather_objects
 
 # name -> (class name in torch.distributed.pipelining, chunks per rank)

@@ -1,7 +1,7 @@
 """Lab 08's 2-D step: the course GPT on a (data, tensor) = (2, 2) mesh of 4 ranks, FSDP2 across the data dimension
 and tensor parallelism across the tensor dimension (``lablib.parallel.tensor_parallel.apply_2d``), against one process.
 
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.tp_2d --steps 3 --out out.json
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.tensor_parallel.run_tp_2d --steps 3 --out out.json
 
 Each step's global batch is split over the data-parallel ranks (the two tensor-parallel ranks of a data rank get
 the same rows); the loss of a step is the mean over the ranks of their local mean losses, the single process's
@@ -23,7 +23,7 @@ from lablib.measure import counting
 from lablib.course import data
 from lablib.jobs import script
 from lablib.parallel import tensor_parallel
-from lablib.probes.ddp import sgd_step_, zero_grad_
+from lablib.probes.harness import sgd_step_, zero_grad_
 from lablib.course.models import GPT, gpt_config
 from lablib.measure.rankcheck import gather_objects
 
