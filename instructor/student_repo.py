@@ -140,7 +140,7 @@ Open `labs/NN_name/NN_name.ipynb`, run it top to bottom and fill in the cells ma
 `YOUR ANSWER HERE`. The check after each exercise says what was expected and what came back. The graded
 version of each check may run more cases (other world sizes, shapes and dtypes) than you see.
 
-Multi-process steps run as real `torchrun` jobs started from the notebook (`lablib/runs/<step>.py`); a
+Multi-process steps run as real `torchrun` jobs started from the notebook (`lablib/labs/<lab>/run*.py`, `lablib/runs/<step>.py`); a
 timeout or "interrupt kernel" stops every process. If a step reports that a rank was *killed by a signal*,
 that is the machine, not your code: run the cell again.
 
