@@ -46,24 +46,11 @@ spread over the shared folders by role, and moves the same way, one lab at a tim
 - ``lablib.parallel.activation_checkpointing``  activation checkpointing applied to a plain model
 - ``lablib.parallel.ddp_buckets``     PyTorch DDP's bucket assignment standing in for lab 06's exercise 2 (labs 06, 11)
 - ``lablib.parallel.zero_states``     the model-state setups labs 04 and 07 count (DDP, ZeroRedundancyOptimizer, FSDP2)
-- ``lablib.parallel.strategies``      lab 11's strategy interface (wrap_model, wrap_optimizer, sync_gradients,
-                                      full_weights) and PyTorch's strategies behind it
-- ``lablib.parallel.strategy_rows``   lab 11's rows from the students' labs 06-08, and stand-ins for missing files
 
 ``lablib.probes``: observers of the students' code behind the visible checks (properties, never an answer)
 - ``lablib.probes.rehearsal``       ranks as threads of this process: collectives rehearsed in a second before torchrun
 - ``lablib.probes.ring_rehearsal``  lab 02's ring rehearsed on threads (sends and receives matched as gloo matches them)
 - ``lablib.probes.harness``         around a student's code on the ranks: a sub-group as the default group, plain SGD
-- ``lablib.probes.zero``            lab 07's ZeRO-1 and ZeRO-2 (vs AdamW, bytes each rank holds, collectives)
-- ``lablib.probes.zero3``           lab 07's ZeRO-3 (gathered per block in both passes, vs AdamW and FSDP2)
-- ``lablib.probes.zero3_cases``     lab 07's ZeRO-3 cases: models cut into units, batches, FSDP2 on the same data
-- ``lablib.probes.zero3_precision`` lab 07's mixed-precision ZeRO-3 (casts, bytes by dtype, fp16 underflow, loss curves)
-- ``lablib.probes.zero_cases``      lab 07's test models, batches, optimizer settings and lr schedule
-- ``lablib.probes.zero_held``       what a rank holds under lab 07's classes, counted from storages
-- ``lablib.probes.zero_comm``       the collectives lab 07's classes call, recorded on thread or torchrun ranks
-- ``lablib.probes.zero_checks``     the checks ZeRO-2 and ZeRO-3 share (gradient tap, mean and its rounding bound)
-- ``lablib.probes.zero_lab04``      lab 04's ``bytes_per_rank`` as the reader wrote it, for lab 07
-- ``lablib.probes.strategy_shards`` lab 11's exercise 2 observed: DTensor's own shards and FSDP2 x TP's placements in fake ranks
 - ``lablib.probes.group_rehearsal`` labs 12 and 13 on thread ranks: all_to_all_single (equal or uneven), sub-groups
 
 ``lablib.labs``: one package per lab, everything only that lab uses: its formulas, its probes and checks, its run
@@ -139,6 +126,26 @@ lab, and no shared folder imports a lab (import-linter contracts in pyproject.to
 - ``lablib.labs.pipeline_parallel.costs``     a measured step as stage times, latency and gap; played again with them
 - ``lablib.labs.pipeline_parallel.run_pipeline``       the torchrun step ``pipeline``: the students' engine on ranks
 - ``lablib.labs.pipeline_parallel.run_pipeline_torch`` the step ``pipeline_torch``: torch's pipelining schedules timed
+- ``lablib.labs.zero_from_scratch`` lab 07, ZeRO from scratch: read ``cases``, then ``zero12`` and ``zero3`` (the
+                                   exercises' probes), ``comm``, ``held``, ``step_checks``, the two steps
+- ``lablib.labs.zero_from_scratch.cases``       lab 07's test models, batches, optimizer settings and lr schedule
+- ``lablib.labs.zero_from_scratch.zero12``      ZeRO-1 and ZeRO-2 on ranks (vs AdamW, bytes each rank holds, collectives)
+- ``lablib.labs.zero_from_scratch.zero3``       ZeRO-3 on ranks (gathered per block in both passes, vs AdamW and FSDP2)
+- ``lablib.labs.zero_from_scratch.zero3_cases`` ZeRO-3's cases: models cut into units, batches, FSDP2 on the same data
+- ``lablib.labs.zero_from_scratch.step_checks`` the checks ZeRO-2 and ZeRO-3 share (gradient tap, mean and its bound)
+- ``lablib.labs.zero_from_scratch.comm``        the collectives the classes call, recorded on thread or torchrun ranks
+- ``lablib.labs.zero_from_scratch.held``        what a rank holds under the classes, counted from storages
+- ``lablib.labs.zero_from_scratch.precision``   mixed-precision ZeRO-3 measured (loss curves, fp16 underflow, GradScaler)
+- ``lablib.labs.zero_from_scratch.lab04_formula`` lab 04's ``bytes_per_rank`` as the reader wrote it, for lab 07
+- ``lablib.labs.zero_from_scratch.run_zero_scratch`` the torchrun step ``zero_scratch``: the exercises on 2-4 ranks
+- ``lablib.labs.zero_from_scratch.run_zero_stages``  the torchrun step ``zero_stages``: ZeRO-1/2/3 beside DDP and FSDP2
+- ``lablib.labs.strategy_benchmark`` lab 11, every strategy behind one interface: read ``strategies``, then ``rows``
+                                   (labs 06-08's classes as rows, stand-ins), ``run``, ``shards``
+- ``lablib.labs.strategy_benchmark.strategies`` the strategy interface (wrap_model, wrap_optimizer, sync_gradients,
+                                                full_weights) and PyTorch's strategies behind it
+- ``lablib.labs.strategy_benchmark.rows``       the rows from the students' labs 06-08, and stand-ins for missing files
+- ``lablib.labs.strategy_benchmark.shards``     exercise 2 observed: DTensor's own shards and FSDP2 x TP's placements
+- ``lablib.labs.strategy_benchmark.run``        the torchrun step ``strategy_benchmark``: every row trained, one table
 - ``lablib.labs.expert_parallel``  lab 13, expert parallelism: read ``moe`` (the layer in one process), then ``probes``
                                    (what the notebook calls), ``ep_dispatch``, ``ep_grads``, ``run``
 - ``lablib.labs.expert_parallel.moe``         the mixture-of-experts MLP in one process (router, gated sum, MoE GPT, formulas)

@@ -65,6 +65,12 @@ def wrong_answers(lab: str) -> dict[str, list[tuple[str, str]]]:
     return getattr(_answers_module(lab), "WRONG_ANSWERS", {})
 
 
+def replays_solution_runs(lab: str) -> bool:
+    """Whether the lab's wrong answers are judged first with the solution's torchrun results replayed
+    (``REPLAY_SOLUTION_RUNS = True`` beside the wrong answers; see ``LiveLab.try_wrong_answer``)."""
+    return bool(getattr(_answers_module(lab), "REPLAY_SOLUTION_RUNS", False))
+
+
 def correct_variants(lab: str) -> dict[str, list[tuple[str, str]]]:
     """exercise -> [(how it differs, its source)]: correct answers written differently, which must keep
     full marks (``CORRECT_VARIANTS`` beside the wrong answers; optional)."""
@@ -85,6 +91,7 @@ class WrongAnswerResult:
     failed_tests: dict[str, str]     # test grade_id -> error line
     points_lost: float
     points_possible: float
+    replayed: bool = False           # judged with the solution's torchrun results replayed (no torchrun start)
 
 
 def _statements(source: str) -> list[ast.stmt]:
@@ -131,6 +138,37 @@ class LabRaised(AssertionError):
 
 GRADING_SWITCH = 'import os\nos.environ["NBGRADER_EXECUTION"] = "autograde"'
 
+# Installed in the live kernel of a lab that opts in (``replays_solution_runs``): ``launch.run`` wrapped so that the
+# solution's own runs are recorded by their call (step, options, launcher keywords) while the solution runs top to
+# bottom, and can be replayed afterwards instead of a torchrun start. A call not recorded raises ``Unrecorded``
+# (a BaseException, so no cell's ``except Exception`` swallows it).
+RUN_REPLAY = r'''
+import json as _replay_json
+from lablib.jobs import launch as _replay_launch
+
+
+class _SolutionRuns:
+    class Unrecorded(BaseException):
+        """A torchrun start the solution did not make: the answer is judged on real ranks instead."""
+
+    def __init__(self, run):
+        self.run, self.results, self.mode = run, {}, "record"   # mode: record, replay or pass (run, keep nothing)
+
+    def __call__(self, step, options=None, **launcher):
+        key = _replay_json.dumps([step, options, launcher], sort_keys=True, default=repr)
+        if self.mode == "replay":
+            if key not in self.results:
+                raise self.Unrecorded(f"launch.run({step!r}, ...) was not made by the solution")
+            return self.results[key]
+        result = self.run(step, options, **launcher)
+        if self.mode == "record":
+            self.results[key] = result
+        return result
+
+
+_replay_launch.run = _SolutionRuns(_replay_launch.run)
+'''
+
 
 class LiveLab:
     """The solution notebook executed in a kernel that stays up, to re-run single cells afterwards.
@@ -158,6 +196,26 @@ class LiveLab:
 
     def __exit__(self, *exc):
         return self._ctx.__exit__(*exc)
+
+    def in_kernel(self, code: str) -> list[str]:
+        """Run ``code`` in the kernel (not a cell of the notebook); its errors."""
+        first = self.nb.cells[0]
+        try:   # nbclient stores an executed cell at its index: keep the notebook's own cell there
+            return cell_errors(self.client.execute_cell(nbformat.v4.new_code_cell(code), 0))
+        finally:
+            self.nb.cells[0] = first
+
+    def replay_mode(self, mode: str) -> None:
+        """RUN_REPLAY's mode: "record" (from ``record_solution_runs`` to the end of ``run_all``), "replay" or "pass"."""
+        errors = self.in_kernel(f"from lablib.jobs import launch as _replay_launch\n_replay_launch.run.mode = {mode!r}")
+        if errors:
+            raise LabRaised(f"{self.lab}: cannot set the replay of the solution's runs to {mode!r}: {errors}")
+
+    def record_solution_runs(self) -> None:
+        """Before ``run_all``: record the solution's torchrun results by their call (RUN_REPLAY)."""
+        errors = self.in_kernel(RUN_REPLAY)
+        if errors:
+            raise LabRaised(f"{self.lab}: cannot record the solution's runs: {errors}")
 
     def run_cell(self, index: int, source: str | None = None):
         cell = copy.deepcopy(self.nb.cells[index])
@@ -198,26 +256,54 @@ class LiveLab:
 
 
     def try_wrong_answer(self, exercise: str, description: str, source: str,
-                         stop_at_first_failure: bool = True) -> WrongAnswerResult:
+                         stop_at_first_failure: bool = True, replay_first: bool = False) -> WrongAnswerResult:
         """Run ``source`` as the exercise's answer, then its test cells in order; put the answer back.
 
         A wrong answer only has to lose points, so by default the test cells stop at the first one that
         fails (``points_lost`` is then a lower bound): most test cells of the multi-rank labs start torchrun.
         A correct variant runs every cell (it must pass them all).
+
+        ``replay_first`` (a wrong answer of a lab that opts in, ``replays_solution_runs``): the test cells run first
+        with every torchrun start answered by the solution's own result for the same call (``record_solution_runs``).
+        Those results pass every check on them, so a test cell that fails then fails on what the answer does in this
+        process (its rehearsal on thread ranks), which grading runs too, before and beside the same checks: a test
+        cell that reads an earlier cell's run (lab 07's mixed-precision cell reads exercise 3's) is judged without
+        that earlier torchrun start. When nothing fails so, or a call the solution did not make is reached, the
+        answer is judged again with real runs, as without replay.
         """
-        ex_index = exercises(self.nb)[exercise]
         tests = test_cells(self.nb, exercise)
+        replayed = replay_first and self.judge_with_solution_runs(exercise, source, stop_at_first_failure)
+        failed = replayed or self._judge(exercises(self.nb)[exercise], source, tests, stop_at_first_failure)
+        return WrongAnswerResult(exercise, description, failed, sum(tests[g][1] for g in failed),
+                                 sum(p for _, p in tests.values()), replayed=bool(replayed))
+
+    def judge_with_solution_runs(self, exercise: str, source: str, stop_at_first_failure: bool = True) -> dict[str, str]:
+        """The failed test cells of ``source`` with every torchrun start replayed from the solution's runs ({} when
+        none failed or a run the solution did not make was reached); no torchrun start."""
+        self.replay_mode("replay")
+        try:
+            return self._judge(exercises(self.nb)[exercise], source, test_cells(self.nb, exercise),
+                               stop_at_first_failure, replaying=True)
+        finally:
+            self.replay_mode("pass")
+
+    def _judge(self, ex_index: int, source: str, tests: dict, stop_at_first_failure: bool,
+               replaying: bool = False) -> dict[str, str]:
+        """Run ``source`` as the answer, then the test cells in order; put the answer back. Returns
+        {test grade_id: its last error line}; replaying, {} as soon as a run the solution did not make is reached."""
         self.run_cell(ex_index, source.strip("\n"))
         failed = {}
         for grade_id, (index, _) in tests.items():
             errors = cell_errors(self.run_cell(index))
+            if replaying and errors and errors[-1].startswith("Unrecorded"):
+                failed = {}
+                break
             if errors:
                 failed[grade_id] = errors[-1][:300]
                 if stop_at_first_failure:
                     break
         self.run_cell(ex_index)  # put the correct answer back for the next exercise
-        return WrongAnswerResult(exercise, description, failed,
-                                 sum(tests[g][1] for g in failed), sum(p for _, p in tests.values()))
+        return failed
 
 
 def load_factor() -> float:
@@ -286,8 +372,13 @@ def live_check(lab: str, workdir: Path) -> dict:
     times, report = result["times"], result["report"]
     t0 = time.perf_counter()
     try:
+        replay = replays_solution_runs(lab)
         with LiveLab(lab, workdir) as live:
+            if replay:
+                live.record_solution_runs()
             executed = live.run_all()
+            if replay:
+                live.replay_mode("pass")
             times["interactive run"] = time.perf_counter() - t0
             result["executed"] = str(workdir / f"{lab}.ipynb")
             nbformat.write(executed, result["executed"])
@@ -300,9 +391,10 @@ def live_check(lab: str, workdir: Path) -> dict:
             for exercise, answers in wrong_answers(lab).items():
                 for description, source in answers:
                     t2 = time.perf_counter()
-                    r = live.try_wrong_answer(exercise, description, source)
+                    r = live.try_wrong_answer(exercise, description, source, replay_first=replay)
                     report.append(f"{exercise}: '{description}' lost at least {r.points_lost:g}/{r.points_possible:g} "
-                                  f"({', '.join(r.failed_tests) or 'no test failed'}; {time.perf_counter() - t2:.1f} s)")
+                                  f"({', '.join(r.failed_tests) or 'no test failed'}"
+                                  f"{', the solution runs replayed' if r.replayed else ''}; {time.perf_counter() - t2:.1f} s)")
                     if r.points_lost == 0:
                         result["missed"].append(report[-1])
             for exercise, variants in correct_variants(lab).items():
@@ -313,6 +405,11 @@ def live_check(lab: str, workdir: Path) -> dict:
                                   f"{r.points_lost:g}/{r.points_possible:g} ({time.perf_counter() - t2:.1f} s)")
                     if r.points_lost:
                         result["punished"].append(f"{report[-1]} ({r.failed_tests})")
+                    if replay:   # the replay must never fail a right answer either (seconds: no torchrun start)
+                        failed = live.judge_with_solution_runs(exercise, source, stop_at_first_failure=False)
+                        if failed:
+                            result["punished"].append(f"{exercise}: correct variant '{description}' fails with the "
+                                                      f"solution's runs replayed: {failed}")
             times["wrong-answer checks"] = time.perf_counter() - t1
     except LabRaised as e:
         result["raised"] = str(e)

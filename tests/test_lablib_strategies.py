@@ -16,11 +16,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from instructor.references import strategy_planner as planner
 from instructor.references.strategy_shards import expected_shards
 from lablib.measure import rankcheck, timing
-from lablib.parallel.strategies import merge_qkv
+from lablib.labs.strategy_benchmark.strategies import merge_qkv
 from lablib.course.models import GPTConfig
-from lablib.parallel.strategy_rows import DeepSpeedZeRO, TorchDDPIndividualStandIn, TorchDDPStandIn
-from lablib.probes.strategy_shards import dtensor_shards, fsdp2_tp_layout, refuse_layout_helpers
-from lablib.runs.strategy_benchmark import Config, weight_bound
+from lablib.labs.strategy_benchmark.rows import DeepSpeedZeRO, TorchDDPIndividualStandIn, TorchDDPStandIn
+from lablib.labs.strategy_benchmark.shards import dtensor_shards, fsdp2_tp_layout, refuse_layout_helpers
+from lablib.labs.strategy_benchmark.run import Config, weight_bound
 
 
 def test_weight_bound_is_the_momentum_scaled_sgd_bound():

@@ -1,4 +1,4 @@
-"""Lab 07's probes (lablib.probes.zero, zero3 and the modules they share) and its run scripts' configs: what a rank
+"""Lab 07's probes (lablib.labs.zero_from_scratch.zero12, zero3 and the modules they share) and its run scripts' configs: what a rank
 holds, counted from storages, the collectives recorded on thread ranks, the graded checks on hand-made results,
 lab 04's formula loaded from its notebook. No torchrun start here (the
 lab's own tests run them); the optimizers below are the test's own, not the exercise's answer.
@@ -11,9 +11,9 @@ import torch
 
 from lablib.jobs import config as cfg
 from lablib.measure import memory
-from lablib.probes import zero as zero_probes, zero3 as zero3_probes, zero_held
-from lablib.probes.zero_lab04 import lab04_bytes_per_rank
-from lablib.runs import zero_scratch, zero_stages
+from lablib.labs.zero_from_scratch import zero12 as zero_probes, zero3 as zero3_probes, held as zero_held
+from lablib.labs.zero_from_scratch.lab04_formula import lab04_bytes_per_rank
+from lablib.labs.zero_from_scratch import run_zero_scratch as zero_scratch, run_zero_stages as zero_stages
 
 SOLUTIONS = __import__("pathlib").Path(__file__).resolve().parents[1] / "solutions"
 
@@ -124,7 +124,7 @@ def test_rehearsal_sums_in_rank_order_and_names_a_collective_only_some_ranks_cal
 
 def test_rehearse_with_checks_each_run_as_it_ends():
     """With check, the first run whose check fails ends the rehearsal: a wrong answer costs one case, not all."""
-    from lablib.probes.zero_comm import rehearse_with
+    from lablib.labs.zero_from_scratch.comm import rehearse_with
 
     probed = []
 
@@ -212,7 +212,7 @@ def test_recording_on_thread_ranks_names_and_sizes_what_the_class_calls_and_noth
     import torch.distributed as dist
 
     from lablib.measure.collective_log import CollectiveLog
-    from lablib.probes import zero_comm
+    from lablib.labs.zero_from_scratch import comm as zero_comm
 
     def step(rank):
         log = CollectiveLog()
@@ -269,8 +269,8 @@ def test_mixed_precision_checks_reject_fp32_on_the_wire_a_16_bit_master_and_unca
 
 
 def test_mixed_bound_covers_a_16_bit_sum_and_parse_case_names_the_cases():
-    from lablib.probes.zero_checks import GradientTap, mixed_mean_gradient_and_bound
-    from lablib.probes.zero3_cases import parse_case
+    from lablib.labs.zero_from_scratch.step_checks import GradientTap, mixed_mean_gradient_and_bound
+    from lablib.labs.zero_from_scratch.zero3_cases import parse_case
 
     assert parse_case("gpt@fp16/fp32") == ("gpt", torch.float16, torch.float32)
     assert parse_case("mlp") == ("mlp", None, None)

@@ -90,7 +90,7 @@ def _probes():
     from lablib.labs.fault_tolerance import probes as fault_tolerance
     from lablib.labs.pipeline_parallel import probe as pipeline
     from lablib.labs.tensor_parallel import probe as tensor_parallel
-    from lablib.probes import zero, zero3
+    from lablib.labs.zero_from_scratch import zero12, zero3
     return locals()
 
 
@@ -147,10 +147,10 @@ def lab_steps(gpu: bool) -> list[Step]:
              files=("ddp_individual_impl.py", "buckets_impl.py", "ddp_bucketed_impl.py")),
         Step("07 zero1", L07, "zero_scratch", {"impl": "zero1_impl.py", "exercise": "zero1", "runs": ("2:mlp", "3:mlp")},
              3, files=("zero1_impl.py",),
-             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("zero", "check_probe", "zero1")))),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("zero12", "check_probe", "zero1")))),
         Step("07 zero2", L07, "zero_scratch", {"impl": "zero2_impl.py", "exercise": "zero2", "runs": ("2:mlp", "3:mlp")},
              3, files=("zero1_impl.py", "zero2_impl.py"),
-             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("zero", "check_probe", "zero2")))),
+             verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("zero12", "check_probe", "zero2")))),
         Step("07 zero3", L07, "zero_scratch", {"impl": "zero3_impl.py", "exercise": "zero3", "runs": ("2:mlp", "3:gpt")},
              3, files=("zero1_impl.py", "zero2_impl.py", "zero3_impl.py"),
              verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("zero3", "check")))),

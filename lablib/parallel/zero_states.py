@@ -1,7 +1,7 @@
 """The model-state setups labs 04 and 07 count: lab 04's GPT, batches and AdamW settings, DDP with and without
 ZeroRedundancyOptimizer, FSDP2 on every layer, and what the formula for bytes per rank leaves out.
 
-Both run scripts (``lablib.labs.zero_memory.run``, lab 04; ``lablib.runs.zero_stages``, lab 07) build their PyTorch
+Both run scripts (``lablib.labs.zero_memory.run``, lab 04; ``lablib.labs.zero_from_scratch.run_zero_stages``, lab 07) build their PyTorch
 variants here, so they train the same model on the same batches from the same weights, and neither imports the
 other (a run script is a leaf).
 """

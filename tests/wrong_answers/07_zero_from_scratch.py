@@ -22,6 +22,11 @@ def _red(exercise: str, table: dict) -> list[tuple[str, str]]:
     return [(f"red team: {description}", source) for description, source in table[exercise]]
 
 LAB = "07_zero_from_scratch"
+# Each wrong answer is judged first with the solution's torchrun results replayed (tests/labkit.py,
+# LiveLab.try_wrong_answer): in every test cell the thread rehearsal runs before the torchrun start, and the
+# mixed-precision cell rehearses before it reads exercise 3's run, so an answer that fails a rehearsal is judged
+# without a torchrun start (the four mixed-precision mistakes cost one each, about 40 s at a load of 12).
+REPLAY_SOLUTION_RUNS = True
 _cells = SolutionCells(LAB)
 _changed = _cells.changed
 
@@ -104,8 +109,13 @@ CORRECT_VARIANTS = {
                   "get_world_size", "get_rank", "reduce_scatter_tensor", "all_gather_into_tensor")),
     ],
     "zero3": [
-        ("divides before the reduce-scatter, in reduce_dtype, pads the gradient with torch.cat and casts with .float() "
-         "(the mean of the ranks' 1/N-scaled gradients)", _changed("zero3", (
+        # Two rewrites of different methods in one answer (each torchrun start of exercise 3's check costs about
+        # 20 s of CI; the thread rehearsal judges the async gather, the real ranks the reduction's counted bytes):
+        ("the unit's all-gather started with async_op=True and waited at once; divides before the reduce-scatter, "
+         "in reduce_dtype, pads the gradient with torch.cat and casts with .float() (the mean of the ranks' "
+         "1/N-scaled gradients)", _changed("zero3", (
+             "        dist.all_gather_into_tensor(unit.full, unit.shard.detach().to(self.param_dtype))",
+             "        dist.all_gather_into_tensor(unit.full, unit.shard.detach().to(self.param_dtype), async_op=True).wait()"), (
              """        grads = torch.zeros(self.world_size * unit.shard_numel, dtype=self.reduce_dtype, device=unit.shard.device)
         offset = 0
         for p in unit.params:
@@ -189,6 +199,4 @@ _GATHER = "        dist.all_gather_into_tensor(unit.full, unit.shard.detach().to
 WRONG_ANSWERS["zero3"].append(
     ("the unit's all-gather started with async_op=True and never waited", _changed("zero3", (
         _GATHER, _GATHER[:-1] + ", async_op=True)   # overlap: started, never waited"))))
-CORRECT_VARIANTS["zero3"].append(
-    ("the unit's all-gather started with async_op=True and waited at once", _changed("zero3", (
-        _GATHER, _GATHER[:-1] + ", async_op=True).wait()"))))
+# (The same call waited at once is the first of CORRECT_VARIANTS["zero3"].)

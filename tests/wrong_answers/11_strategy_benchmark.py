@@ -20,7 +20,7 @@ _EX1_HEAD = '''
 """Exercise 1 of lab 11: lab 06's DDP classes and lab 07's ShardedOptimizer behind the strategy interface."""
 import torch
 
-from lablib.parallel.strategies import Strategy, unwrap
+from lablib.labs.strategy_benchmark.strategies import Strategy, unwrap
 
 
 class YourDDP(Strategy):
@@ -265,7 +265,7 @@ CORRECT_VARIANTS = {
 %%writefile strategies_impl.py
 import torch.nn as nn
 
-from lablib.parallel.strategies import Strategy
+from lablib.labs.strategy_benchmark.strategies import Strategy
 
 
 class YourDDP(Strategy):

@@ -1,9 +1,9 @@
 """Lab 11's harness: every strategy trains the course GPT under identical conditions; one table checks them all.
 
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.strategy_benchmark --quick --out strategies.json
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.strategy_benchmark.run --quick --out strategies.json
 
 Every row (``ROWS``) builds the same GPT from the same seed, wraps it with its strategy
-(``lablib.parallel.strategies``: wrap_model, wrap_optimizer, forward_backward, sync_gradients, full_weights) and takes
+(``lablib.labs.strategy_benchmark.strategies``: wrap_model, wrap_optimizer, forward_backward, sync_gradients, full_weights) and takes
 the same SGD-with-momentum steps on the same global batches of Tiny Shakespeare. Then, for each row:
 
 - correctness: the full weights (DTensors' ``full_tensor``, tensor-parallel shards put back, pipeline stages
@@ -28,7 +28,7 @@ the same SGD-with-momentum steps on the same global batches of Tiny Shakespeare.
   and every row's tokens/s moves with that one reference from run to run.
 
 The students' rows take their lab 11 ``YourDDP`` class (``--impl``) around lab 06's and lab 07's classes found in
-``--labs-dir``, or stand-ins where those files are missing (``lablib.parallel.strategy_rows``); ``--standins true``
+``--labs-dir``, or stand-ins where those files are missing (``lablib.labs.strategy_benchmark.rows``); ``--standins true``
 always uses the stand-ins (the grading run: no cascade from earlier labs).
 """
 
@@ -47,8 +47,8 @@ from lablib.course.models import GPT, GPTConfig
 from lablib.jobs import script
 from lablib.jobs.exercise import load_module, require_file
 from lablib.measure import counting, memory, rankcheck, timing
-from lablib.parallel import strategies as S
-from lablib.parallel import strategy_rows as R
+from lablib.labs.strategy_benchmark import strategies as S
+from lablib.labs.strategy_benchmark import rows as R
 
 YOURS = ("yours_individual", "yours_bucketed", "yours_individual_zero1", "yours_bucketed_zero1")
 ROWS = ("single", "torch_ddp", "torch_ddp_zero1", "fsdp2", *YOURS, "yours_tp", "fsdp2_x_tp", "pipeline_gpipe",
@@ -206,7 +206,7 @@ def peak_by_kind(samples: list[dict]) -> dict:
 def held_bytes(strategy, model, opt, activation_bytes: int) -> dict:
     """Storages this rank holds after the backward (before sync_gradients: lab 06's buckets still in flight), each
     once, by kind; ``buffers``: the module's buffers and whatever else the wrapper and strategy keep."""
-    from lablib.probes.zero_held import reachable_tensors
+    from lablib.labs.zero_from_scratch.held import reachable_tensors
 
     kinds = strategy.held_tensors(model, opt)
     counter = memory.StorageCounter()

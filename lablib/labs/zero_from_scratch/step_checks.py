@@ -1,4 +1,4 @@
-"""The checks ZeRO-2's and ZeRO-3's probes share (``lablib.probes.zero``, ``lablib.probes.zero3``): the class ran,
+"""The checks ZeRO-2's and ZeRO-3's probes share (``lablib.labs.zero_from_scratch.zero12``, ``lablib.labs.zero_from_scratch.zero3``): the class ran,
 the reference gradient and how far a correct answer's may be from it, and the two checks of a step (the shards'
 gradients, then the update).
 """

@@ -1,7 +1,7 @@
 """Lab 07, section 4b's measurements of mixed precision (not graded): the student's ``ZeRO3`` trained in fp32, bf16
 and fp16 over the same steps, and what an fp16 backward does to small gradients, with and without loss scaling.
 
-Everything runs on ranks that are threads of the notebook's process (``zero_comm.run_in_thread_ranks``): seconds,
+Everything runs on ranks that are threads of the notebook's process (``comm.run_in_thread_ranks``): seconds,
 no torchrun start. The model is ``zero3_cases``' course GPT (2 blocks of width 32) on Tiny Shakespeare's characters;
 every rank trains on its own rows of the same global batches.
 
@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from lablib.probes.zero3_cases import GPT_CASE, build_case
-from lablib.probes.zero_cases import LR, WEIGHT_DECAY
-from lablib.probes.zero_comm import run_in_thread_ranks
+from lablib.labs.zero_from_scratch.zero3_cases import GPT_CASE, build_case
+from lablib.labs.zero_from_scratch.cases import LR, WEIGHT_DECAY
+from lablib.labs.zero_from_scratch.comm import run_in_thread_ranks
 
 # name -> (param_dtype, reduce_dtype, loss scaling with ShardedGradScaler)
 POLICIES = {"fp32": (None, None, False), "bf16 (fp32 reduce)": (torch.bfloat16, torch.float32, False),

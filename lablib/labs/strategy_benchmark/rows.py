@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lablib.jobs.exercise import unwritten
 from lablib.parallel import tensor_parallel as tp_lib
-from lablib.parallel.strategies import Strategy, merge_qkv
+from lablib.labs.strategy_benchmark.strategies import Strategy, merge_qkv
 
 LAB06, LAB07, LAB08 = "06_ddp_from_scratch", "07_zero_from_scratch", "08_tensor_parallel"
 

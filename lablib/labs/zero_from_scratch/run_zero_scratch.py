@@ -1,6 +1,6 @@
 """Lab 07's graded step: the students' ``ShardedOptimizer`` (ZeRO-1), ``ZeRO2`` and ``ZeRO3`` on real ranks.
 
-    torchrun --standalone --nproc-per-node 4 -m lablib.runs.zero_scratch --impl zero1_impl.py \\
+    torchrun --standalone --nproc-per-node 4 -m lablib.labs.zero_from_scratch.run_zero_scratch --impl zero1_impl.py \\
         --exercise zero1 --runs 2:mlp,3:mlp,4:groups --out out.json
 
 (zero3 also takes mixed-precision cases, "case@param_dtype[/reduce_dtype]": ``--runs 2:mlp,2:mlp@bf16/fp32``.)
@@ -8,7 +8,7 @@
 One torchrun start checks several (world size, case) pairs, as lab 06's does: the job has as many processes
 as the largest world size asked for, and for world size n the first n ranks form a group of their own that stands in as the default group while the
 student's class runs (``ddp_probes.default_group``); the other ranks wait at the next barrier. What each rank
-does and records is ``lablib.probes.zero.probe_case`` (``zero3``: ``lablib.probes.zero3.probe``, 4 steps of 2 samples
+does and records is ``lablib.labs.zero_from_scratch.zero12.probe_case`` (``zero3``: ``lablib.labs.zero_from_scratch.zero3.probe``, 4 steps of 2 samples
 per rank, with FSDP2's losses on the same ranks for the GPT).
 """
 
@@ -21,8 +21,8 @@ import torch.distributed as dist
 from lablib.jobs import script
 from lablib.jobs.exercise import load_fresh as load_impl
 from lablib.jobs.exercise import require_file
-from lablib.probes import zero as zero_probes, zero3 as zero3_probes
-from lablib.probes.zero_cases import CASES, CLASSES
+from lablib.labs.zero_from_scratch import zero3, zero12
+from lablib.labs.zero_from_scratch.cases import CASES, CLASSES
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Config:
         if self.exercise not in CLASSES:
             raise ValueError(f"exercise={self.exercise!r} must be one of {sorted(CLASSES)}")
         pairs = [r.split(":") for r in self.runs]
-        cases = zero3_probes.CASES if self.exercise == "zero3" else CASES
+        cases = zero3.CASES if self.exercise == "zero3" else CASES
         bad = [r for r, p in zip(self.runs, pairs) if len(p) != 2 or not p[0].isdigit() or int(p[0]) < 1
                or not self._known(p[1])]
         if bad or not self.runs:
@@ -55,7 +55,7 @@ class Config:
         if self.exercise != "zero3":
             return case in CASES
         try:
-            zero3_probes.parse_case(case)
+            zero3.parse_case(case)
         except ValueError:
             return False
         return True
@@ -79,11 +79,11 @@ def run(env, config: Config) -> dict:
     for i, (n, case) in enumerate(config.pairs()):
         if env.rank < n:   # the other ranks go on to the barrier and wait there
             if config.exercise == "zero3":
-                results[f"{n}:{case}"] = zero3_probes.probe(impl, case, env, groups[n], steps=min(config.steps, 4),
+                results[f"{n}:{case}"] = zero3.probe(impl, case, env, groups[n], steps=min(config.steps, 4),
                                                             per_rank=min(config.per_rank, 2), seed=config.seed,
                                                             fsdp2=case == "gpt")
             else:
-                results[f"{n}:{case}"] = zero_probes.probe_case(impl, config.exercise, case, env, groups[n],
+                results[f"{n}:{case}"] = zero12.probe_case(impl, config.exercise, case, env, groups[n],
                                                                 steps=config.steps, per_rank=config.per_rank,
                                                                 seed=config.seed)
         dist.barrier()

@@ -1,5 +1,5 @@
-"""Lab 07's test cases, shared by the probes of its three exercises (``lablib.probes.zero`` for ZeRO-1 and ZeRO-2,
-``lablib.probes.zero3`` for ZeRO-3): the models, their batches, the optimizer's settings and the learning-rate
+"""Lab 07's test cases, shared by the probes of its three exercises (``lablib.labs.zero_from_scratch.zero12`` for ZeRO-1 and ZeRO-2,
+``lablib.labs.zero_from_scratch.zero3`` for ZeRO-3): the models, their batches, the optimizer's settings and the learning-rate
 schedule the probe applies between steps, and how an error in a student's file is reported.
 """
 

@@ -1,6 +1,6 @@
 """Lab 07's measurement: the students' ZeRO-1, 2 and 3 next to DDP, ZeroRedundancyOptimizer and FSDP2.
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.runs.zero_stages --zero1-impl zero1_impl.py \\
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.zero_from_scratch.run_zero_stages --zero1-impl zero1_impl.py \\
         --zero2-impl zero2_impl.py --zero3-impl zero3_impl.py --out zero_stages.json
 
 Lab 04's GPT, batches and PyTorch variants (``lablib.parallel.zero_states``, which lab 04's run uses too: DDP,
@@ -17,7 +17,7 @@ copies of its fp32 shards and reducing the gradients in fp32), plus the students
 
 Every variant trains the same AdamW steps from the same weights on the same batches. In the last step each rank
 counts what it holds after the forward, the backward and the step (storages, each once: ``memory.model_state_bytes``
-for PyTorch's variants, ``zero_held.held_bytes`` for the students', which also finds state kept under any
+for PyTorch's variants, ``held.held_bytes`` for the students', which also finds state kept under any
 name; DDP's buckets, which exist from its construction, at every moment once a backward has shown them) and
 records every collective it calls (``lablib.measure.counting``; DDP's bucket all-reduces through its communication
 hook), with when each was called and completed (rank 0's, for the per-call timeline); one more step is sampled at every module boundary (``HeldTimeline``). Each step is timed
@@ -41,7 +41,7 @@ from lablib.jobs.exercise import require_file
 from lablib.course.models import GPT
 from lablib.parallel import zero_states
 from lablib.parallel.zero_states import Config as Lab04Config, apply_ddp, batches, held_params, shard_every_layer
-from lablib.probes.zero_held import held_bytes
+from lablib.labs.zero_from_scratch.held import held_bytes
 
 VARIANTS = ("ddp", "zero1_torch", "zero1_yours", "zero2_yours", "zero3_yours", "fsdp2_grad_op", "fsdp2_full",
             "fsdp2_bf16", "zero3_yours_bf16")
@@ -141,7 +141,7 @@ class _Stepper:
 
 class HeldTimeline(memory.MemoryTimeline):
     """``memory.MemoryTimeline`` (samples at every module's forward and backward boundary) with the stepper's own
-    count of the model states: ``zero_probes.held_bytes`` for the students' classes (state kept under any name,
+    count of the model states: ``held.held_bytes`` for the students' classes (state kept under any name,
     a shard's gradient included), ``memory.model_state_bytes`` for PyTorch's. The optimizer step is sampled by
     the caller (the students' ZeRO2 is no ``torch.optim.Optimizer``, so it has no step hooks)."""
 

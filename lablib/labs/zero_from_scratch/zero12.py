@@ -1,21 +1,21 @@
 """Lab 07's probe of the students' ``ShardedOptimizer`` (ZeRO-1) and ``ZeRO2``: what their classes do on the
-ranks, what each rank holds, the collectives they call, and the graded checks of it (``lablib.runs.zero_scratch``
+ranks, what each rank holds, the collectives they call, and the graded checks of it (``lablib.labs.zero_from_scratch.run_zero_scratch``
 runs it on 2-4 ranks; the notebook runs ``rehearse`` first: the same probe on ranks that are threads of its own
-process, seconds before a torchrun start). Exercise 3 has its own probe, ``lablib.probes.zero3``.
+process, seconds before a torchrun start). Exercise 3 has its own probe, ``lablib.labs.zero_from_scratch.zero3``.
 
 The references are PyTorch's, never another exercise: each rank also trains a copy of the same model with plain
 ``torch.optim.AdamW`` on the same gradients, in lockstep.
 
 - ``ShardedOptimizer`` gets, on every rank, the *same* gradient (rank 0's, broadcast by the probe), so after
   each of 10 steps every parameter must equal plain AdamW's **bit for bit** (``torch.equal``) on every rank. Before
-  each step the probe changes every group's lr (``zero_cases.lr_factor``), as a schedule would.
+  each step the probe changes every group's lr (``cases.lr_factor``), as a schedule would.
 - ``ZeRO2`` gets each rank's own share of the batch (data parallelism). Its shards' gradients, gathered here, must
-  be the mean of the ranks' gradients (as its model computed them, ``zero_checks.GradientTap``; all-reduced here) to within float32 rounding of a mean summed in another
+  be the mean of the ranks' gradients (as its model computed them, ``step_checks.GradientTap``; all-reduced here) to within float32 rounding of a mean summed in another
   order (``rankcheck.mean_rounding_bound``, element by element); AdamW, stepped on that same gathered gradient, must
   then give every parameter bit for bit (the same numbers through the same element-wise arithmetic). Stepping the
   reference on its own all-reduced mean instead would let AdamW's division by sqrt(v) magnify the last-bit
   differences of the two sums, by up to the learning rate where a gradient is near 0: no bound from the arithmetic.
-  Its collectives are recorded where it calls them (``zero_comm``): one reduce-scatter of the padded flat gradient
+  Its collectives are recorded where it calls them (``comm``): one reduce-scatter of the padded flat gradient
   and one all-gather of the padded flat parameters per step, nothing else.
 """
 
@@ -31,11 +31,11 @@ from lablib import checks
 from lablib.measure.collective_log import CollectiveLog
 from lablib.measure.rankcheck import bound_ratio, gather_objects, max_abs_diff, weight_spread
 from lablib.probes.harness import default_group
-from lablib.probes.zero_cases import (CASES, CLASSES, LATE_GROUP, LR, WEIGHT_DECAY, batch, build, dtype_of,
+from lablib.labs.zero_from_scratch.cases import (CASES, CLASSES, LATE_GROUP, LR, WEIGHT_DECAY, batch, build, dtype_of,
                                       error_in_impl, lr_factor, micro_batches, param_groups)
-from lablib.probes.zero_checks import GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound
-from lablib.probes.zero_comm import bytes_by_kind, check_bus_ratio, check_collectives, recording, rehearse_with
-from lablib.probes.zero_held import adamw_state_bytes, gather_shards, held_bytes
+from lablib.labs.zero_from_scratch.step_checks import GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound
+from lablib.labs.zero_from_scratch.comm import bytes_by_kind, check_bus_ratio, check_collectives, recording, rehearse_with
+from lablib.labs.zero_from_scratch.held import adamw_state_bytes, gather_shards, held_bytes
 
 
 def probe_case(impl, exercise: str, case_name: str, env, group=None, steps: int = 10, per_rank: int = 4,

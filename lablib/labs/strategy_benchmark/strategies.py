@@ -18,7 +18,7 @@ applied to a plain model, seen from the loop):
 ``held_tensors`` says what this rank holds, for the storage count (``lablib.measure.memory``).
 
 PyTorch's own strategies are here; the students' (lab 06's DDP classes, lab 07's ShardedOptimizer behind this
-interface) are lab 11's exercise, and ``lablib.parallel.strategy_rows`` puts them, lab 08's tensor-parallel
+interface) are lab 11's exercise, and ``lablib.labs.strategy_benchmark.rows`` puts them, lab 08's tensor-parallel
 modules and the stand-ins for missing files in the table.
 """
 

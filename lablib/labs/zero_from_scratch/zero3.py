@@ -1,5 +1,5 @@
 """Lab 07's probe of the students' ``ZeRO3`` (exercise 3): parameters sharded at rest, gathered per block while it
-runs; ``lablib.runs.zero_scratch --exercise zero3`` runs it on 2-4 ranks, ``zero_probes.rehearse`` on threads first.
+runs; ``lablib.labs.zero_from_scratch.run_zero_scratch --exercise zero3`` runs it on 2-4 ranks, ``zero12.rehearse`` on threads first.
 
 Each rank trains the same model on its own share of the batch. The references are PyTorch's, never another
 exercise:
@@ -16,7 +16,7 @@ exercise:
   rounding of its mean; after that FSDP2's own reduce-scatter order and AdamW allow no bound, so the later losses
   are reported, not checked.
 
-What a rank holds is counted from storages (``zero_probes.held_bytes``, the shards counted as parameters): at rest
+What a rank holds is counted from storages (``held.held_bytes``, the shards counted as parameters): at rest
 (between steps) about 1/N of the parameters, gradients and state. During the forward the probe samples, before and
 after every module's forward (its hooks run after the student's), the bytes of the model's gathered parameters:
 at most one block beside the root's (the root's module is the model itself, so it is gathered for the whole forward).
@@ -34,13 +34,13 @@ from lablib.measure.collective_log import CollectiveLog
 from lablib.measure.memory import unique_storage_bytes
 from lablib.measure.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects
 from lablib.probes.harness import default_group
-from lablib.probes.zero_cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, error_in_impl, micro_batches
-from lablib.probes.zero_checks import (GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound,
+from lablib.labs.zero_from_scratch.cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, error_in_impl, micro_batches
+from lablib.labs.zero_from_scratch.step_checks import (GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound,
                                        mixed_mean_gradient_and_bound)
-from lablib.probes.zero_comm import bytes_by_kind, check_bus_ratio, check_collectives, recording, rehearse_with
-from lablib.probes.zero_held import gather_shards, held_bytes
+from lablib.labs.zero_from_scratch.comm import bytes_by_kind, check_bus_ratio, check_collectives, recording, rehearse_with
+from lablib.labs.zero_from_scratch.held import gather_shards, held_bytes
 
-from lablib.probes.zero3_cases import (CASES, DTYPES, build_case, fsdp2_losses, loss_of, mean_over_ranks,  # noqa: F401
+from lablib.labs.zero_from_scratch.zero3_cases import (CASES, DTYPES, build_case, fsdp2_losses, loss_of, mean_over_ranks,  # noqa: F401
                                        my_batch, parse_case)
 
 
@@ -255,7 +255,7 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
 
 def rehearse(impl, runs, check=None) -> list[dict]:
     """``probe`` for each "world size:case" of runs on ranks that are threads of this process (seconds, before the
-    torchrun run of the same cases; ``check(result)`` after each; see ``zero_comm.rehearse_with``)."""
+    torchrun run of the same cases; ``check(result)`` after each; see ``comm.rehearse_with``)."""
     return rehearse_with(lambda case, env: probe(impl, case, env), runs, check)
 
 

@@ -1,4 +1,4 @@
-"""Lab 07's ZeRO-3 cases (``lablib.probes.zero3``): the models cut into units (the course GPT's blocks, the stacks'
+"""Lab 07's ZeRO-3 cases (``lablib.labs.zero_from_scratch.zero3``): the models cut into units (the course GPT's blocks, the stacks'
 layers; whatever is left is the root's), each rank's batch, the loss, and FSDP2 trained on the same batches from
 the same weights (``fully_shard`` on every block, then the root, FSDP2's defaults otherwise).
 """
@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lablib.course.models import GPT, GPTConfig
-from lablib.probes.zero_cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build
+from lablib.labs.zero_from_scratch.cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, batch, build
 
 GPT_CASE = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)   # 28,576 parameters; padding at N = 3
-CASES = ("mlp", "uneven", "gpt", "float64", "accum", "frozen", "frozen_middle")   # "gpt": the course GPT; the others: zero_cases.CASES
+CASES = ("mlp", "uneven", "gpt", "float64", "accum", "frozen", "frozen_middle")   # "gpt": the course GPT; the others: cases.CASES
 # Mixed precision: "case@param" or "case@param/reduce" (e.g. "mlp@bf16", "gpt@fp16/fp32"): ZeRO3 is built with
 # param_dtype (and reduce_dtype; FSDP2's default: param_dtype) over the case's fp32 parameters.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
