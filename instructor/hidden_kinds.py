@@ -113,6 +113,17 @@ _TABLE = [
     _ex("01_gradient_accumulation", "lr_scaling",
         steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
               "fresh step"),
+    _ex("03_amdahl_scaling", "amdahl_laws",
+        steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
+              "fresh step"),
+    _ex("03_amdahl_scaling", "lr_answer", value_answer=True),
+    _ex("03_amdahl_scaling", "fit_amdahl_p",
+        steps="a pure function of the measured points: nothing is kept between calls, so every hidden case is "
+              "already a fresh step"),
+    _ex("03_amdahl_scaling", "predict_speedup",
+        steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
+              "fresh step"),
+    _ex("03_amdahl_scaling", "serial_answer", value_answer=True),
     _ex("05_gpt_migration", "ddp_parts", ("communication", "topology"),
         readiness="mean_across_ranks issues one all-reduce of one tensor and DDP's own reducer launches the gradient "
                   "all-reduces: no bucket whose readiness order the answer could depend on"),

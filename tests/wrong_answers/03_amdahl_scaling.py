@@ -51,6 +51,19 @@ def gustafson_speedup(p, world_size):
 '''),
     ],
     "fit_amdahl_p": [
+        ("drops the N = 1 baseline from the caller's lists in place (del), copying only tuples and arrays", '''
+def fit_amdahl_p(world_sizes, speedups):
+    if not isinstance(world_sizes, list):
+        world_sizes, speedups = list(world_sizes), list(speedups)
+    while 1 in world_sizes:                      # the baseline says nothing about p: drop it
+        i = world_sizes.index(1)
+        del world_sizes[i], speedups[i]
+    if not world_sizes:
+        raise ValueError("need a point with N > 1")
+    xs = [1 - 1 / n for n in world_sizes]
+    ys = [1 - 1 / s for s in speedups]
+    return float(sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+'''),
         ("fits the speedup instead of the time (least squares on S, by a fine grid search)", '''
 import numpy as np
 

@@ -3,10 +3,11 @@
 How one exercise travels: the notebook writes ``accum_impl.py`` (``accumulation_step``); the notebook checks it first
 in its own process, one accumulated step against one large-batch step from the same weights; then
 ``launch.run("grad_accum", {"impl": "accum_impl.py", ...})`` starts ``run_grad_accum`` under torchrun, where every
-rank trains the course MLP under DDP with the student's step twice (with ``no_sync`` as written, and with ``no_sync``
-made a do-nothing, so every backward all-reduces), the all-reduces counted by a DDP communication hook, and rank 0
-trains one process on each whole global batch and writes the JSON (all-reduces per step, step times, the largest
-weight difference and its rounding bound); back in the notebook the test cell judges the counts (K x buckets against
+rank trains the course MLP under DDP with the student's step three times, taking turns step by step (with ``no_sync``
+as written; with ``no_sync`` made a do-nothing, so every backward all-reduces; as written again, the noise floor of the
+timing), the all-reduces counted by a DDP communication hook, and rank 0 trains one process on each whole global
+batch and writes the JSON (all-reduces per step, step times and their per-round ratios, the largest weight
+difference and its rounding bound); back in the notebook the test cell judges the counts (K x buckets against
 buckets) and the difference against the bound. The other exercises (the micro-batch share of a token-mean loss, the
 learning-rate scaling) run in the notebook's process alone.
 

@@ -4,11 +4,14 @@
         --impl accum_impl.py --out out.json
 
 The student's ``accumulation_step(model, optimizer, micro_batches, loss_fn)`` (from --impl) trains an
-MLP on a synthetic regression task twice, from the same initial weights and data:
+MLP on a synthetic regression task three times, from the same initial weights and data, the three arms taking
+turns step by step:
 - ``no_sync``: the function as written (it should skip the all-reduce on all but the last micro-batch);
 - ``sync_every``: the same function with ``model.no_sync`` replaced by a do-nothing context, so every
-  backward all-reduces. Same math, K times the communication.
-Each variant's all-reduces are counted with a DDP communication hook and its steps timed.
+  backward all-reduces. Same math, K times the communication;
+- ``no_sync_again``: ``no_sync`` once more, the noise floor: the same code timed against itself.
+Each arm's all-reduces are counted with a DDP communication hook and its steps timed; ``rounds`` holds, per timed
+step, sync_every / no_sync and no_sync_again / no_sync, and whether the first lies beyond the second.
 Rank 0 also trains a plain single-process copy on each whole global batch (world_size * K micro-batches
 in one backward) - the reference the accumulated DDP weights must equal, to within the rounding bound of
 ``rankcheck.sgd_rounding_bound`` (the MLP uses GELU: with ReLU's kink a rounding-sized difference can flip one
@@ -91,30 +94,54 @@ def new_model(config: Config, device) -> torch.nn.Module:
     return MLP(config.d_in, config.d_hidden, 1, config.n_hidden, activation=config.activation).to(device)
 
 
-def train_variant(env, config: Config, step_fn, disable_no_sync: bool) -> tuple[dict, torch.nn.Module]:
-    model = DDP(new_model(config, env.device), bucket_cap_mb=config.bucket_cap_mb)
-    if disable_no_sync:
-        model.no_sync = contextlib.nullcontext  # every backward now all-reduces
-    log = count_ddp(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
-    step_times, calls, losses = [], [], []
+# The arms, in the order of the first step: (name, no_sync disabled). "no_sync_again" is the student's function run
+# again exactly as "no_sync": the same code timed against itself, the noise floor of the comparison.
+ARMS = (("sync_every", True), ("no_sync", False), ("no_sync_again", False))
+
+
+def train_arms(env, config: Config, step_fn) -> tuple[dict, dict]:
+    """Every arm trained from the same weights on the same data, the arms taking turns step by step (the first arm
+    moves to the back each step), so a burst of load from another program falls on all of them alike.
+    Returns ({arm: metrics}, {arm: the trained module})."""
+    models, logs, optimizers = {}, {}, {}
+    for name, disable in ARMS:
+        model = DDP(new_model(config, env.device), bucket_cap_mb=config.bucket_cap_mb)
+        if disable:
+            model.no_sync = contextlib.nullcontext  # every backward now all-reduces
+        models[name], logs[name] = model, count_ddp(model)
+        optimizers[name] = torch.optim.SGD(model.parameters(), lr=config.lr)
+    step_times = {name: [] for name, _ in ARMS}
+    calls = {name: [] for name, _ in ARMS}
+    losses = {name: [] for name, _ in ARMS}
+    names = [name for name, _ in ARMS]
     for step in range(config.steps):
         x, y = global_batch(config, step, env.world_size)
         micro = [(a.to(env.device), b.to(env.device)) for a, b in rank_micro_batches(x, y, config, env.rank)]
-        log.reset()
-        timing.barrier(env.device)
-        with timing.stopwatch(step_times, env.device):
-            loss = step_fn(model, optimizer, micro, F.mse_loss)
-        calls.append(log.count())
-        losses.append(float(loss))
-        script.progress(env, step + 1, config.steps, loss=float(loss))
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            logs[name].reset()
+            timing.barrier(env.device)
+            with timing.stopwatch(step_times[name], env.device):
+                loss = step_fn(models[name], optimizers[name], micro, F.mse_loss)
+            calls[name].append(logs[name].count())
+            losses[name].append(float(loss))
+        script.progress(env, step + 1, config.steps, loss=losses["no_sync"][-1])
     # Step 0 includes DDP's bucket rebuild: warm-up (left out unless it is the only step).
-    return {
-        "allreduce_calls_per_step": calls,
-        "allreduce_bytes_last_step": log.bytes(),
-        **timing.step_times(step_times, env.device, warmup=1 if len(step_times) > 1 else 0),
-        "losses": losses,
-    }, model.module
+    warmup = 1 if config.steps > 1 else 0
+    metrics = {name: {"allreduce_calls_per_step": calls[name], "allreduce_bytes_last_step": logs[name].bytes(),
+                      **timing.step_times(step_times[name], env.device, warmup=warmup), "losses": losses[name]}
+               for name in names}
+    return metrics, {name: model.module for name, model in models.items()}
+
+
+def paired_rounds(metrics: dict) -> dict:
+    """Per timed step (a round: the three arms one after another), syncing every micro-batch against no_sync, and
+    no_sync run again against no_sync (the noise floor), each the slowest rank's time; their medians and ranges, and
+    whether this run tells the two apart (``timing.noise_verdict``: the rounds beyond every floor round)."""
+    every, once, again = (metrics[name]["step_s"] for name in ("sync_every", "no_sync", "no_sync_again"))
+    ratio = [a / b for a, b in zip(every, once)]
+    floor = [a / b for a, b in zip(again, once)]
+    return {"ratio": ratio, "floor": floor, "median_ratio": timing.median(ratio),
+            "median_floor": timing.median(floor), "verdict": timing.noise_verdict(ratio, floor, comparisons=1)}
 
 
 def reference_weights(config: Config, world_size: int, device) -> tuple[torch.nn.Module, float]:
@@ -134,11 +161,11 @@ def reference_weights(config: Config, world_size: int, device) -> tuple[torch.nn
 
 def run(env, config: Config) -> dict:
     impl = load_module(config.impl, required=("accumulation_step",))
-    result = {}
-    for name, disable in (("sync_every", True), ("no_sync", False)):
-        metrics, model = train_variant(env, config, impl.accumulation_step, disable_no_sync=disable)
-        metrics["weight_spread_across_ranks"] = weight_spread(model, env)
-        result[name] = metrics
+    result, models = train_arms(env, config, impl.accumulation_step)
+    for name, model in models.items():
+        result[name]["weight_spread_across_ranks"] = weight_spread(model, env)
+    model = models["no_sync"]
+    result["rounds"] = paired_rounds(result)
     if env.is_main:
         reference, max_grad = reference_weights(config, env.world_size, env.device)
         result["max_abs_diff_vs_single_process"] = max_abs_diff(model, reference)
@@ -151,9 +178,12 @@ def run(env, config: Config) -> dict:
                                                       result["max_abs_weight"])
         result["n_params"] = sum(p.numel() for p in reference.parameters())
         t_every, t_no = result["sync_every"]["median_step_s"], result["no_sync"]["median_step_s"]
+        rounds = result["rounds"]
         print(f"all-reduces per step: sync_every={result['sync_every']['allreduce_calls_per_step'][-1]}, "
               f"no_sync={result['no_sync']['allreduce_calls_per_step'][-1]}; median step "
-              f"{t_every * 1e3:.1f} ms -> {t_no * 1e3:.1f} ms; max |w_ddp - w_single| = "
+              f"{t_every * 1e3:.1f} ms -> {t_no * 1e3:.1f} ms (ratio {rounds['median_ratio']:.2f}, rounds "
+              f"{min(rounds['ratio']):.2f}-{max(rounds['ratio']):.2f}; no_sync against itself "
+              f"{min(rounds['floor']):.2f}-{max(rounds['floor']):.2f}); max |w_ddp - w_single| = "
               f"{result['max_abs_diff_vs_single_process']:.2e} (rounding bound {result['rounding_bound']:.2e})")
     return result
 
