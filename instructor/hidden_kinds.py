@@ -124,6 +124,11 @@ _TABLE = [
         steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
               "fresh step"),
     _ex("03_amdahl_scaling", "serial_answer", value_answer=True),
+    _ex("04_zero_memory", "zero_bytes_per_rank", ("numerics",),
+        steps="a pure function of numbers: nothing is kept between calls, so every hidden case is a fresh step"),
+    _ex("04_zero_memory", "activation_estimate",
+        steps="two pure functions of integer sizes: nothing is kept between calls, so every hidden case is a fresh "
+              "step"),
     _ex("05_gpt_migration", "ddp_parts", ("communication", "topology"),
         readiness="mean_across_ranks issues one all-reduce of one tensor and DDP's own reducer launches the gradient "
                   "all-reduces: no bucket whose readiness order the answer could depend on"),
