@@ -152,8 +152,8 @@ Open `labs/NN_name/NN_name.ipynb`, run it top to bottom and fill in the cells ma
 `YOUR ANSWER HERE`. The check after each exercise says what was expected and what came back. The graded
 version of each check may run more cases (other world sizes, shapes and dtypes) than you see.
 
-Multi-process steps run as real `torchrun` jobs started from the notebook (`lablib/labs/<lab>/run.py`, or
-`lablib/runs/<step>.py`); a timeout or "interrupt kernel" stops every process. If a step reports that a rank was
+Multi-process steps run as real `torchrun` jobs started from the notebook (`lablib/labs/<lab>/run.py` or
+`run_<step>.py`); a timeout or "interrupt kernel" stops every process. If a step reports that a rank was
 *killed by a signal*, that is the machine, not your code: run the cell again.
 
 On several machines, every node runs the same command (step options after `--`), or Slurm starts one per node:

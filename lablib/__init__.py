@@ -1,11 +1,10 @@
 """lablib: the library behind the Distributed Training Labs, what students install.
 
-Read it like a table of contents. Seven folders, one job each, and two modules of their own. ``lablib.labs`` holds
-one package per lab whose code has moved into a folder of its own (labs 06, 08, 09, 12 and 13 so far); the others' code is still
-spread over the shared folders by role, and moves the same way, one lab at a time:
+Read it like a table of contents. ``lablib.labs`` holds one package per lab: everything only that lab uses (its
+formulas, probes, checks and torchrun steps). The other folders hold what two or more labs share, one job each:
 
 ``lablib.jobs``: running a step
-- ``lablib.jobs.launch``    ``run(step, options, nproc=...)``: a step (``lablib.labs.<step>.run`` or ``lablib.runs.<step>``)
+- ``lablib.jobs.launch``    ``run(step, options, nproc=...)``: a step (``lablib.labs.<lab>.run`` / ``run_<step>``, or ``lablib.runs.<step>``)
                             under torchrun, its result;
                             ``run_script(path, nproc=...)``: any script, with each rank's output and stacks
 - ``lablib.jobs.supervisor`` the one loop that watches processes: output, deadline, stopping every process

@@ -5,7 +5,7 @@
     launchers/gpu-check --steps 04,11         # only some labs (or step names: zero_memory, gpu:cp_sdpa)
 
 The parts, one idea each:
-- ``steps``: what runs. Every lab's multi-process steps (``lablib.runs.<step>`` through ``lablib.jobs.launch.run``)
+- ``steps``: what runs. Every lab's multi-process steps (each lab package's run scripts, through ``lablib.jobs.launch.run``)
   with the options and rank counts the solution notebooks start them with, and the checks only a GPU can show. A
   step passes when its run ends well and, where the lab has them in ``lablib.probes``, the lab's own checks of its
   result pass (the report says which).

@@ -21,7 +21,7 @@ FRESH_DIR = "<fresh dir>"      # an option value replaced by a new empty folder 
 class Step:
     name: str                                   # unique, "<lab number> <what>"
     lab: str                                    # the lab folder, e.g. "01_gradient_accumulation"
-    step: str                                   # lablib.runs.<step>
+    step: str                                   # a step name (lablib.jobs.launch.step_module finds its run script)
     options: dict
     nproc: int
     files: tuple[str, ...] = ()                 # the lab's exercise files the step imports
@@ -34,7 +34,7 @@ class Step:
     needs: str = ""                             # "cuda", "cuda2" (two GPUs): a GPU-only check
     verdict: Callable[[dict], list[str]] | None = None   # problems found in the result (GPU-only checks)
     nproc_for: Callable[[int], int] | None = None         # rank count from the number of GPUs (GPU-only checks)
-    script: str = ""                            # a torchrun script of this package instead of lablib.runs.<step>
+    script: str = ""                            # a torchrun script of this package instead of the step's
     limit_s: float | None = None                # this step's own limit, below the run's --step-limit
 
     @property

@@ -1,4 +1,4 @@
-"""Start a ``lablib.runs.<step>`` script under torchrun from a notebook or a test, and get its JSON back.
+"""Start a step's run script (a lab package's ``run``/``run_<step>``, or ``lablib.runs.<step>``) under torchrun from a notebook or a test, and get its JSON back.
 
     result = launch.run("grad_accum", {"accum_steps": 4}, nproc=2, timeout_s=120)
     result.metrics.no_sync.median_step_s          # the same as result["metrics"]["no_sync"]["median_step_s"]
@@ -160,7 +160,7 @@ def run(step: str, options: Mapping | None = None, *, nproc: int = 2, timeout_s:
         threads_per_rank: int | None = None, port: int | None = None, quiet: bool = False,
         show_progress: bool = True, env: Mapping | None = None, max_restarts: int = 0,
         **unexpected) -> RunResult:
-    """Run ``lablib.runs.<step>`` on nproc ranks under torchrun and return rank 0's JSON result.
+    """Run a step's run script (``step_module``) on nproc ranks under torchrun and return rank 0's JSON result.
 
     options: the step's own options (a mapping checked against its Config; tuples for sequences).
     env: extra environment variables for every rank (e.g. ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``).

@@ -66,7 +66,7 @@ RDZV_CONF = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_t
 def torchrun_command(step: str, step_argv: Sequence[str], *, nnodes: str, nproc_per_node: int, rdzv_endpoint: str,
                      rdzv_id: str, out: str, max_restarts: int = 0, rdzv_conf: Mapping | None = None,
                      python: str = sys.executable) -> list[str]:
-    """The command one node runs: a torchrun agent for ``lablib.runs.<step>`` joining the c10d rendezvous."""
+    """The command one node runs: a torchrun agent for the step's run script (``launch.step_module``) joining the c10d rendezvous."""
     conf = ",".join(f"{k}={v}" for k, v in (rdzv_conf or {}).items())
     return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
@@ -109,7 +109,7 @@ def run_nodes(step: str, options: Mapping | None = None, *, nodes: int = 2, npro
               min_nodes: int | None = None, max_restarts: int = 0, timeout_s: float = 300.0,
               leave: tuple[int, str] | None = None, join: tuple[int, str] | None = None,
               env: Mapping | None = None, quiet: bool = False) -> NodesResult:
-    """Run ``lablib.runs.<step>`` as ``nodes`` torchrun agents on this machine (c10d rendezvous on 127.0.0.1).
+    """Run a step's run script (``launch.step_module``) as ``nodes`` torchrun agents on this machine (c10d rendezvous on 127.0.0.1).
 
     options: the step's own options (checked against its Config before anything starts), as in ``launch.run``.
     min_nodes: the smallest job that may go on (``--nnodes min_nodes:nodes``); default ``nodes``.
@@ -215,9 +215,9 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
         prog="launchers/multinode",
-        description="Run a course step (lablib/runs/<step>.py) as one node of a multi-node torchrun job. Run the "
+        description="Run a course step (lablib/labs/<lab>/run*.py, or lablib/runs/<step>.py) as one node of a multi-node torchrun job. Run the "
                     "same command on every node; step options go after --.")
-    parser.add_argument("step", help="the step to run, e.g. hello, zero_stages (a file in lablib/runs/)")
+    parser.add_argument("step", help="the step to run, e.g. hello, zero_stages (lablib/labs/<lab>/run.py or run_<step>.py, or lablib/runs/<step>.py)")
     parser.add_argument("--nnodes", required=True, help="how many nodes, N or MIN:MAX (elastic)")
     parser.add_argument("--nproc-per-node", type=int, required=True, help="processes on this node (its GPUs)")
     parser.add_argument("--rdzv-endpoint", required=True,

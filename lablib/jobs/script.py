@@ -1,4 +1,4 @@
-"""The skeleton every ``lablib.runs.<step>`` script shares.
+"""The skeleton every run script shares (``lablib/labs/<lab>/run*.py``, ``lablib/runs/hello.py``).
 
 A run script is thin: it declares a config dataclass and a ``run(env, config) -> dict`` function (what every
 rank does; it trains, measures or checks), and its ``main()`` is ``script.main(Config, run)``. This module
