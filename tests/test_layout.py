@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lablib.jobs import launch
+
 REPO = Path(__file__).resolve().parent.parent
 LABLIB = REPO / "lablib"
 # A module past this many lines is split by idea (each module one idea, its docstring a short story). A story that
@@ -44,6 +46,19 @@ def test_the_contracts_see_a_deferred_import(tmp_path):
         "def f():\n    from lablib.runs import hello\n    return hello\n")
     result = _lint_imports(tmp_path)
     assert result.returncode != 0 and "library module imports one BROKEN" in result.stdout, result.stdout[-2000:]
+
+
+def test_a_lab_packages_run_scripts_are_leaves():
+    """The contract "a run script is a leaf" for the run scripts inside lab packages (import-linter's module
+    expressions cannot name ``run_*``): no module of lablib imports a lab's ``run``/``run_<step>`` (a notebook may),
+    and none of them imports another run script."""
+    import grimp
+    graph = grimp.build_graph("lablib")
+    runs = {m for m in graph.modules if m.startswith("lablib.labs.") and m.rsplit(".", 1)[1].startswith("run")
+            and m.rsplit(".", 1)[1] in ("run",) + tuple(f"run_{s}" for s in launch.available_steps())}
+    assert len(runs) >= 14, sorted(runs)
+    importers = {run: sorted(graph.find_modules_that_directly_import(run)) for run in runs}
+    assert not {run: who for run, who in importers.items() if who}, "a library module imports a run script"
 
 
 def test_every_module_holds_one_idea():

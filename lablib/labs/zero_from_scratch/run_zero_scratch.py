@@ -7,7 +7,7 @@
 
 One torchrun start checks several (world size, case) pairs, as lab 06's does: the job has as many processes
 as the largest world size asked for, and for world size n the first n ranks form a group of their own that stands in as the default group while the
-student's class runs (``ddp_probes.default_group``); the other ranks wait at the next barrier. What each rank
+student's class runs (``lablib.probes.harness.default_group``); the other ranks wait at the next barrier. What each rank
 does and records is ``lablib.labs.zero_from_scratch.zero12.probe_case`` (``zero3``: ``lablib.labs.zero_from_scratch.zero3.probe``, 4 steps of 2 samples
 per rank, with FSDP2's losses on the same ranks for the GPT).
 """
