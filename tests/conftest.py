@@ -23,14 +23,19 @@ if "LABLIB_SHAKESPEARE" not in os.environ and SHARED_TEXT.is_file():
 #   ranks:  multi-process steps on gloo (torchrun, the launcher, teardown and hangs);
 #   labs:   whole notebooks (nbgrader autogrades, live kernels, the book);
 #   system: the browser, JupyterLab, Slurm, grading a class, several nodes, the student repository.
-# `launchers/test --fast` runs unit and ranks (-m "unit or ranks"); a new test file is added here, or collection fails.
+# The files of shared code and the cross-lab checks stand in tests/; one lab's own tests in tests/labs/<lab>/ (beside
+# its answers.py and redteam.py). `launchers/test --fast` runs unit and ranks (-m "unit or ranks"); a new test file
+# is added here, or collection fails (tests/test_tiers.py: each file in exactly one tier).
 TIERS = {
     "unit": ["test_checks", "test_config", "test_data", "test_hidden_kinds", "test_layout", "test_models", "test_plots",
-             "test_lablib_commcost", "test_lablib_cp", "test_lablib_ep_probes", "test_lablib_memory_timeline"],
-    "ranks": ["test_distenv", "test_launch", "test_teardown", "test_lablib_benchmark", "test_lablib_checkpointing",
-              "test_lablib_counting", "test_lablib_ddp_scratch", "test_lablib_memory", "test_lablib_p2p",
-              "test_lablib_pipeline_probes", "test_lablib_scaling", "test_lablib_strategies", "test_lablib_timing",
-              "test_lablib_tp_probes", "test_lablib_zero_probes"],
+             "test_tiers", "test_lablib_commcost", "test_lablib_memory_timeline",
+             # tests/labs/<lab>/
+             "test_cp", "test_ep_probes"],
+    "ranks": ["test_distenv", "test_launch", "test_teardown", "test_lablib_benchmark", "test_lablib_counting",
+              "test_lablib_memory", "test_lablib_p2p", "test_lablib_timing",
+              # tests/labs/<lab>/
+              "test_scaling", "test_ddp_scratch", "test_zero_probes", "test_tp_probes", "test_pipeline_probes",
+              "test_checkpointing", "test_strategies"],
     "labs": ["test_labs", "test_book", "test_course", "test_grade_in_place"],
     "system": ["test_browser", "test_gpu_check", "test_jupyter", "test_multinode", "test_grade_cli", "test_grade_parallel",
                "test_grade_slurm", "test_grade_hostile", "test_student_repo"],
@@ -48,7 +53,11 @@ def pytest_collection_modifyitems(config, items):
     if unknown:
         raise pytest.UsageError(f"test files with no tier: {unknown}; add each to TIERS in tests/conftest.py")
     for item in items:
-        item.add_marker(getattr(pytest.mark, TIER_OF[item.path.stem]))
+        tier = TIER_OF[item.path.stem]
+        others = [m.name for m in item.iter_markers() if m.name in TIERS and m.name != tier]
+        if others:
+            raise pytest.UsageError(f"{item.nodeid} is marked {others} besides its file's tier {tier}: one tier per test")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 LAB_TIMES: dict[str, dict[str, float]] = {}

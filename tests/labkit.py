@@ -50,25 +50,77 @@ def test_cells(nb, exercise: str) -> dict[str, tuple[int, float]]:
             if nbg(c).get("grade") and c.cell_type == "code" and nbg(c)["grade_id"].startswith(f"test_{exercise}")}
 
 
-def _answers_module(lab: str):
-    path = REPO / "tests" / "wrong_answers" / f"{lab}.py"
-    if not path.exists():
+# Each lab's tests live in tests/labs/<lab>/: its probe and unit tests (test_*.py), and its answers as a fixed pair of
+# files, each holding WRONG_ANSWERS and CORRECT_VARIANTS = {exercise grade_id: [(description, cell source)]}:
+#   answers.py  the mistakes students really make and correct answers written another way, ours (required: every
+#               exercise needs a wrong answer, tests/test_labs.py);
+#   redteam.py  the same, written by a reviewer who had read only the released notebook (optional).
+# The loader below reads both and appends the red team's to ours, so no file loads another.
+LAB_TESTS = REPO / "tests" / "labs"
+ANSWER_FILES = ("answers", "redteam")
+
+
+def lab_file(lab: str, name: str):
+    """tests/labs/<lab>/<name>.py as a module (None when the lab has no such file)."""
+    if name not in ANSWER_FILES:
+        raise ValueError(f"{name!r} is not one of a lab's answer files {ANSWER_FILES}")
+    path = LAB_TESTS / lab / f"{name}.py"
+    if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(f"wrong_{lab}", path)
+    spec = importlib.util.spec_from_file_location(f"{name}_{lab}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _answers(lab: str, table: str) -> dict[str, list[tuple[str, str]]]:
+    ours, red = (getattr(lab_file(lab, name), table, {}) for name in ANSWER_FILES)
+    merged = {exercise: list(answers) for exercise, answers in ours.items()}
+    for exercise, answers in red.items():
+        merged.setdefault(exercise, []).extend((f"red team: {description}", source) for description, source in answers)
+    return merged
+
+
 def wrong_answers(lab: str) -> dict[str, list[tuple[str, str]]]:
-    """exercise -> [(the mistake, its source)]: each must lose points (tests/wrong_answers/<lab>.py)."""
-    return getattr(_answers_module(lab), "WRONG_ANSWERS", {})
+    """exercise -> [(the mistake, its source)]: each must lose points (tests/labs/<lab>/answers.py, then redteam.py)."""
+    return _answers(lab, "WRONG_ANSWERS")
 
 
 def correct_variants(lab: str) -> dict[str, list[tuple[str, str]]]:
     """exercise -> [(how it differs, its source)]: correct answers written differently, which must keep
-    full marks (``CORRECT_VARIANTS`` beside the wrong answers; optional)."""
-    return getattr(_answers_module(lab), "CORRECT_VARIANTS", {})
+    full marks (``CORRECT_VARIANTS`` beside the wrong answers, ours then the red team's; optional)."""
+    return _answers(lab, "CORRECT_VARIANTS")
+
+
+_MARKERS = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[ \t]*(\n|$)", re.MULTILINE)
+
+
+class SolutionCells:
+    """A lab's solution cells as answers: ``source(grade_id)`` is the cell without the solution markers, and
+    ``changed(grade_id, (old, new), ...)`` is that cell with one mistake put in. It checks that each text it
+    replaces is there, so a change to the solution cannot silently turn a wrong answer into the right one.
+
+        _cells = SolutionCells("06_ddp_from_scratch")
+        WRONG_ANSWERS = {"assign_buckets": [("returns the buckets last first",
+                         _cells.changed("assign_buckets", ("    return buckets\\n", "    return buckets[::-1]\\n")))]}
+    """
+
+    def __init__(self, lab: str):
+        self.lab = lab
+        self.nb = read(lab)
+
+    def source(self, grade_id: str) -> str:
+        for cell in self.nb.cells:
+            if nbg(cell).get("grade_id") == grade_id:
+                return _MARKERS.sub("", cell.source)
+        raise KeyError(f"{self.lab} has no cell with grade_id {grade_id!r}")
+
+    def changed(self, grade_id: str, *replacements: tuple[str, str]) -> str:
+        source = self.source(grade_id)
+        for old, new in replacements:
+            assert old in source, f"{self.lab} {grade_id}: the solution no longer contains {old!r}"
+            source = source.replace(old, new)
+        return source
 
 
 GRADING_READ = re.compile(r"^GRADING\s*=.*NBGRADER_EXECUTION", re.M)

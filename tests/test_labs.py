@@ -2,7 +2,7 @@
 
 - labs/ is exactly what nbgrader generate_assignment makes from solutions/;
 - labs/ contains no solution code and no hidden-test text;
-- every exercise has test cells and at least one plausible wrong answer (tests/wrong_answers/);
+- every exercise has test cells and at least one plausible wrong answer (tests/labs/<lab>/answers.py);
 - the solution autogrades to full marks and the unmodified release to zero, with nbgrader, in time;
 - the solution runs top to bottom without an error at the sizes a student runs (NBGRADER_EXECUTION unset);
 - each wrong answer fails at least one of its exercise's tests (run in a live kernel, not a whole re-execution).
@@ -95,7 +95,7 @@ def test_every_exercise_has_tests_and_a_wrong_answer(lab):
     wrong = labkit.wrong_answers(lab)
     for exercise in exercises:
         assert labkit.test_cells(nb, exercise), f"exercise {exercise} has no test cell test_{exercise}..."
-        assert wrong.get(exercise), f"exercise {exercise} has no wrong answer in tests/wrong_answers/{lab}.py"
+        assert wrong.get(exercise), f"exercise {exercise} has no wrong answer in tests/labs/{lab}/answers.py"
     for cell in nb.cells:
         meta = labkit.nbg(cell)
         if meta.get("grade") and cell.cell_type == "code":

@@ -15,7 +15,7 @@ from lablib.probes import zero as zero_probes, zero3 as zero3_probes, zero_held
 from lablib.probes.zero_lab04 import lab04_bytes_per_rank
 from lablib.runs import zero_scratch, zero_stages
 
-SOLUTIONS = __import__("pathlib").Path(__file__).resolve().parents[1] / "solutions"
+SOLUTIONS = __import__("pathlib").Path(__file__).resolve().parents[3] / "solutions"
 
 
 class _StateUnderAnOddName:
