@@ -3,15 +3,14 @@
     .venv/bin/python -m instructor.grading_benchmark 01 03 --copies 2 --jobs 2
 
 For each lab: a class of K copies of the solution, the release and one submission per wrong answer of
-tests/wrong_answers/<lab>.py (one per exercise, its first; none with --no-wrong-answers), graded with --jobs 1 and with --jobs N in fresh
-courses; prints seconds, students/hour, the ratio, and the load average before and after (the figures mean
-little on a machine that is busy with other work: say what the load was).
+tests/labs/<lab>/ (tests/labkit.py reads them; one per exercise, its first; none with --no-wrong-answers), graded
+with --jobs 1 and with --jobs N in fresh courses; prints seconds, students/hour, the ratio, and the load average
+before and after (the figures mean little on a machine that is busy with other work: say what the load was).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -30,13 +29,11 @@ def _class(lab: str, copies: int, into: Path, wrong_answers: bool = True) -> int
     solution = nbformat.read(REPO / "solutions" / lab / f"{lab}.ipynb", as_version=4)
     notebooks = {f"solution{i}": solution for i in range(copies)}
     notebooks["release"] = nbformat.read(REPO / "labs" / lab / f"{lab}.ipynb", as_version=4)
-    wrong_file = REPO / "tests" / "wrong_answers" / f"{lab}.py"
-    if wrong_answers and wrong_file.exists():
+    if wrong_answers:
         sys.path.insert(0, str(REPO / "tests"))
-        spec = importlib.util.spec_from_file_location(f"wrong_{lab}", wrong_file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for exercise, answers in sorted(getattr(module, "WRONG_ANSWERS", {}).items()):
+        import labkit   # the tests' loader of a lab's answer files (tests/labs/<lab>/answers.py and redteam.py)
+
+        for exercise, answers in sorted(labkit.wrong_answers(lab).items()):
             nb = nbformat.from_dict(solution)
             for cell in nb.cells:
                 if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == exercise:

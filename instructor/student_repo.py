@@ -3,7 +3,7 @@
     launchers/release --student-repo DIR        (python -m instructor.student_repo DIR)
 
 The course repository carries ``solutions/`` (the answers), the hidden tests inside them, ``tests/`` (with
-``tests/wrong_answers/``) and this package. The student repository gets ``labs/``, ``lablib/``, the
+``tests/labs/``) and this package. The student repository gets ``labs/``, ``lablib/``, the
 ``lab`` launcher with its set-up script, ``environment.yml``, ``requirements.txt``, ``pyproject.toml``
 and a README written for students, committed as a fresh git repository with no history. ``audit`` then
 reads every file written and refuses the result if any holds a line of a solution or a hidden test.

@@ -1,12 +1,14 @@
-"""Shared test set-up: the data file, and a summary of each lab's measured times at the end of the run."""
+"""Shared test set-up: the data file, the tiers, the lab as the unit of scheduling (pytest-xdist, LabScheduling), each
+test's time limit (pytest-timeout), and each lab's CI cost at the end of the run."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
+import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,24 +25,91 @@ if "LABLIB_SHAKESPEARE" not in os.environ and SHARED_TEXT.is_file():
 #   ranks:  multi-process steps on gloo (torchrun, the launcher, teardown and hangs);
 #   labs:   whole notebooks (nbgrader autogrades, live kernels, the book);
 #   system: the browser, JupyterLab, Slurm, grading a class, several nodes, the student repository.
-# `launchers/test --fast` runs unit and ranks (-m "unit or ranks"); a new test file is added here, or collection fails.
+# The files of shared code and the cross-lab checks stand in tests/; one lab's own tests in tests/labs/<lab>/ (beside
+# its answers.py and redteam.py). `launchers/test --fast` runs unit and ranks (-m "unit or ranks"); a new test file
+# is added here, or collection fails (tests/test_tiers.py: each file in exactly one tier).
 TIERS = {
     "unit": ["test_checks", "test_config", "test_data", "test_hidden_kinds", "test_layout", "test_models", "test_plots",
-             "test_lablib_commcost", "test_lablib_cp", "test_lablib_ep_probes", "test_lablib_memory_timeline"],
-    "ranks": ["test_distenv", "test_launch", "test_teardown", "test_lablib_benchmark", "test_lablib_checkpointing",
-              "test_lablib_counting", "test_lablib_ddp_scratch", "test_lablib_memory", "test_lablib_p2p",
-              "test_lablib_pipeline_probes", "test_lablib_scaling", "test_lablib_strategies", "test_lablib_timing",
-              "test_lablib_tp_probes", "test_lablib_zero_probes"],
+             "test_tiers", "test_lablib_commcost", "test_lablib_memory_timeline",
+             # tests/labs/<lab>/
+             "test_cp", "test_ep_probes"],
+    "ranks": ["test_distenv", "test_launch", "test_teardown", "test_lablib_benchmark", "test_lablib_counting",
+              "test_lablib_memory", "test_lablib_p2p", "test_lablib_timing",
+              # tests/labs/<lab>/
+              "test_scaling", "test_ddp_scratch", "test_zero_probes", "test_tp_probes", "test_pipeline_probes",
+              "test_checkpointing", "test_strategies"],
     "labs": ["test_labs", "test_book", "test_course", "test_grade_in_place"],
     "system": ["test_browser", "test_gpu_check", "test_jupyter", "test_multinode", "test_grade_cli", "test_grade_parallel",
                "test_grade_slurm", "test_grade_hostile", "test_student_repo"],
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 
+# Each test's time limit by tier, in seconds on the idle 2-core CI machine, stretched by the load when the test starts
+# (labkit.scaled_timeout); past it pytest-timeout fails that test alone (signal method: the exception is raised in the
+# test, the run goes on; nbgrader's process is killed in instructor/grading.py's finally, a LiveLab's kernel shut down
+# as its context exits).
+#   unit, ranks: the tier's slowest test, measured in `launchers/test --fast` on the 2-core machine at a 1-minute load
+#         of about 12 (a load factor of about 6, so the figures are upper bounds for an idle machine): unit 7.2 s
+#         (test_lablib_memory_timeline), ranks 114 s (test_launch's hang with every rank's stack); the limits are
+#         about 8 and 2.6 times those, before the stretch by the load;
+#   labs: a lab's live check or its two autogrades (labkit.LIVE_CHECK_LIMIT_S, 2 x labkit.AUTOGRADE_LIMIT_S); the
+#         book's whole build waits for a last lab and then builds (twice that);
+#   system: not measured here (browsers, Slurm, classes): the labs' limit, a backstop behind their own timeouts.
+TIER_TIMEOUT_S = {"unit": 60, "ranks": 300, "labs": 600, "system": 600}
+BOOK_TEST = "test_book.py::test_book_shows_every_lab_with_its_figures"
+
+LAB_DIR = re.compile(r"tests/labs/(\d\d_[a-z0-9_]+)/")
+LAB_ID = re.compile(r"\[(\d\d_[a-z0-9_]+)\]")
+
+
+def lab_of(nodeid: str) -> str | None:
+    """The lab a test belongs to: its folder tests/labs/<lab>/, else the lab its parameters name (its id)."""
+    match = LAB_DIR.search(nodeid) or LAB_ID.search(nodeid)
+    return match.group(1) if match else None
+
 
 def pytest_configure(config):
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: a test of the {tier} tier (tests/conftest.py TIERS)")
+    if not hasattr(config, "workerinput"):   # the run's controller (or the only process): this run's executions only
+        import labkit
+
+        shutil.rmtree(labkit.EXECUTIONS, ignore_errors=True)
+
+
+@functools.cache
+def _source(path: str) -> str:
+    return (REPO / path).read_text() if (REPO / path).is_file() else ""
+
+
+def work_unit(nodeid: str) -> str:
+    """What one worker takes whole (tests/conftest.py LabScheduling): a test file whose module sets a fixture up once
+    (module scope: a JupyterLab, a browser, two ranks), or starts a Slurm cluster, stays one unit; else a test of one
+    lab goes with that lab's (one worker checks a lab from its unit tests to its autogrades); else a test is its own."""
+    if nodeid.endswith(BOOK_TEST):   # handed out last, alone: it waits for the labs' executions (test_book.py)
+        return nodeid
+    path = nodeid.split("::", 1)[0]
+    text = _source(path)
+    if "slurm_cluster" in text:
+        return "slurm"
+    if 'scope="module"' in text:
+        return path
+    return lab_of(nodeid) or nodeid
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own (dsession.py), which would answer first
+def pytest_xdist_make_scheduler(config, log):
+    """The lab as the unit of scheduling on the workers (launchers/test: -n 2). pytest-xdist's own --dist loadgroup
+    would do this from xdist_group marks, but with pytest 9.2 it groups nothing: xdist 3.8.0 renames a test by setting
+    item._nodeid (xdist/remote.py:254), and pytest 9.2's Node.nodeid returns str(self._id) (_pytest/nodes.py:290-292),
+    so the workers report no group. The same scheduler (LoadScopeScheduling) is given the unit here instead."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LabScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return LabScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,105 +117,60 @@ def pytest_collection_modifyitems(config, items):
     if unknown:
         raise pytest.UsageError(f"test files with no tier: {unknown}; add each to TIERS in tests/conftest.py")
     for item in items:
-        item.add_marker(getattr(pytest.mark, TIER_OF[item.path.stem]))
+        tier = TIER_OF[item.path.stem]
+        others = [m.name for m in item.iter_markers() if m.name in TIERS and m.name != tier]
+        if others:
+            raise pytest.UsageError(f"{item.nodeid} is marked {others} besides its file's tier {tier}: one tier per test")
+        item.add_marker(getattr(pytest.mark, tier))
+    # The order the workers are handed the units in (LoadScopeScheduling gives out the units with the most tests first,
+    # ties in this order; a unit stands where its first test does): the labs first, then the rest, the book last, after
+    # every lab it is built from was handed out.
+    labs = [i for i in items if lab_of(i.nodeid) and work_unit(i.nodeid) == lab_of(i.nodeid)]
+    book = [i for i in items if i.nodeid.endswith(BOOK_TEST)]
+    rest = [i for i in items if i not in labs and i not in book]
+    items[:] = sorted(labs, key=lambda i: lab_of(i.nodeid)) + rest + book
 
 
-LAB_TIMES: dict[str, dict[str, float]] = {}
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The test's time limit, stretched by the load now (a wrapper that runs before pytest-timeout's reads it)."""
+    import labkit
+
+    idle = TIER_TIMEOUT_S[TIER_OF[item.path.stem]] * (2 if item.nodeid.endswith(BOOK_TEST) else 1)
+    item.add_marker(pytest.mark.timeout(labkit.scaled_timeout(idle)))
+    yield
+
+
 SESSION_START = time.time()   # conftest is imported when the session starts
-# Every test parametrized with a lab (its id names it) is charged to that lab: the CI cost of a lab, all of
-# its checks included, against the course's budget of about 3 minutes per lab (fourteen labs in 42 minutes).
+# Every test of a lab (its folder, or a lab in its id) is charged to that lab: the CI cost of a lab, all of its checks
+# included, against the course's budget of about 3 minutes per lab (fourteen labs in 42 minutes).
 LAB_CI_BUDGET_S = 180.0
 LAB_CI_COST: dict[str, float] = {}
-LAB_ID = re.compile(r"\[(\d\d_[a-z0-9_]+)\]")
-
-
-@pytest.fixture(scope="session")
-def lab_times():
-    return LAB_TIMES
-
-
-# lab -> the solution notebook as nbgrader's autograding executed it in this run (tests/test_labs.py records
-# it; tests/test_book.py builds the book from these executions instead of running every lab again).
-AUTOGRADED_SOLUTIONS: dict[str, Path] = {}
-
-
-@pytest.fixture(scope="session")
-def autograded_solutions():
-    return AUTOGRADED_SOLUTIONS
-
-
-# lab -> the solution notebook executed top to bottom at the sizes a student runs (NBGRADER_EXECUTION unset), with
-# its outputs: tests/test_labs.py::test_wrong_answers_lose_points records it, tests/test_book.py builds the book from it.
-INTERACTIVE_SOLUTIONS: dict[str, Path] = {}
-
-
-@pytest.fixture(scope="session")
-def interactive_solutions():
-    return INTERACTIVE_SOLUTIONS
-
-
-@pytest.fixture(scope="session", autouse=True)
-def background_autogrades(request, tmp_path_factory):
-    """The selected labs' solution and release autograded by nbgrader in a background thread from the session's
-    first test on (labkit.BackgroundAutogrades); None when no test_solution_full_marks_and_release_zero is selected."""
-    selected = [item.callspec.params["lab"] for item in request.session.items
-                if item.originalname == "test_solution_full_marks_and_release_zero"]
-    if not selected:
-        yield None
-        return
-    import labkit
-
-    autogrades = labkit.BackgroundAutogrades(selected, tmp_path_factory.mktemp("autograded"))
-    yield autogrades
-    autogrades.close()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def background_lab_checks(request, tmp_path_factory, background_autogrades):
-    """The second lane of the labs' live checks (labkit.BackgroundLabChecks), queued on the autogrades' pool after
-    them; None when fewer than two labs' test_wrong_answers_lose_points are selected (the test then runs its own)."""
-    selected = [item.callspec.params["lab"] for item in request.session.items
-                if item.originalname == "test_wrong_answers_lose_points"]
-    if len(selected) < 2:
-        yield None
-        return
-    import labkit
-
-    pool = background_autogrades.pool if background_autogrades else ThreadPoolExecutor(1, "lab-checks")
-    lane = labkit.BackgroundLabChecks(selected, tmp_path_factory.mktemp("lab_checks"), pool)
-    yield lane
-    lane.close()
-    if not background_autogrades:
-        pool.shutdown(wait=True)
+LAB_PHASES: dict[str, dict[str, float]] = {}
 
 
 def pytest_runtest_logreport(report):
-    match = LAB_ID.search(report.nodeid)
-    if match:
-        LAB_CI_COST[match.group(1)] = LAB_CI_COST.get(match.group(1), 0.0) + report.duration
+    lab = lab_of(report.nodeid)
+    if lab:
+        LAB_CI_COST[lab] = LAB_CI_COST.get(lab, 0.0) + report.duration
+        for name, value in report.user_properties:   # phases a test recorded (record_property; xdist forwards them)
+            if isinstance(value, (int, float)):
+                LAB_PHASES.setdefault(lab, {})[name] = float(value)
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     if not LAB_CI_COST:
         return
+    workers = getattr(config.option, "numprocesses", None) or 1
     terminalreporter.section(f"CI cost per lab (2-core machine; budget {LAB_CI_BUDGET_S:.0f} s per lab)")
-    terminalreporter.write_line("(the labs' autogrades run in the background from the session's first test on: their seconds "
-                                "are listed, and charged to a lab only while its test waits for them; a lab whose live "
-                                "check ran in the background lane is charged its seconds there)")
-    terminalreporter.write_line("(seconds of wall time; while the background lane runs, two labs share the two cores, so a "
-                                "lab's seconds there are up to twice its seconds alone: the budget is checked on the "
-                                "whole session, its wall time per lab)")
+    terminalreporter.write_line(f"(seconds of wall time of each lab's tests on its worker; {workers} worker(s) share the "
+                                f"cores, so a lab's seconds are its cost with 1/{workers} of the machine)")
     for lab, cost in sorted(LAB_CI_COST.items()):
-        # A lab checked in the background lane cost its seconds there, beside the foreground's tests.
-        cost += LAB_TIMES.get(lab, {}).get("background lane", 0.0)
-        parts = ", ".join(f"{k} {v:.0f} s" for k, v in LAB_TIMES.get(lab, {}).items())
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in LAB_PHASES.get(lab, {}).items())
         terminalreporter.write_line(f"{lab}: {cost:.0f} s in all" + (f" ({parts})" if parts else ""))
-    background = sum(v for times in LAB_TIMES.values() for k, v in times.items() if k.endswith("autograde"))
-    lane = sum(times.get("background lane", 0.0) for times in LAB_TIMES.values())
-    terminalreporter.write_line(f"all labs: {sum(LAB_CI_COST.values()) + lane:.0f} s (autogrades, overlapped: {background:.0f} s; "
-                                f"live checks in the background lane, overlapped: {lane:.0f} s)")
     wall = time.time() - SESSION_START
     per_lab = wall / len(LAB_CI_COST)
     flag = "  OVER BUDGET" if per_lab > LAB_CI_BUDGET_S else ""
+    terminalreporter.write_line(f"all labs: {sum(LAB_CI_COST.values()):.0f} s of tests on {workers} worker(s)")
     terminalreporter.write_line(f"whole session: {wall:.0f} s of wall time for {len(LAB_CI_COST)} labs, {per_lab:.0f} s per lab "
                                 f"(budget {LAB_CI_BUDGET_S:.0f} s){flag}")

@@ -6,14 +6,9 @@ import ast
 import copy
 import importlib.util
 import os
-import json
 import re
 import shutil
-import subprocess
-import sys
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,31 +45,83 @@ def test_cells(nb, exercise: str) -> dict[str, tuple[int, float]]:
             if nbg(c).get("grade") and c.cell_type == "code" and nbg(c)["grade_id"].startswith(f"test_{exercise}")}
 
 
-def _answers_module(lab: str):
-    path = REPO / "tests" / "wrong_answers" / f"{lab}.py"
-    if not path.exists():
+# Each lab's tests live in tests/labs/<lab>/: its probe and unit tests (test_*.py), and its answers as a fixed pair of
+# files, each holding WRONG_ANSWERS and CORRECT_VARIANTS = {exercise grade_id: [(description, cell source)]}:
+#   answers.py  the mistakes students really make and correct answers written another way, ours (required: every
+#               exercise needs a wrong answer, tests/test_labs.py);
+#   redteam.py  the same, written by a reviewer who had read only the released notebook (optional).
+# The loader below reads both and appends the red team's to ours, so no file loads another.
+LAB_TESTS = REPO / "tests" / "labs"
+ANSWER_FILES = ("answers", "redteam")
+
+
+def lab_file(lab: str, name: str):
+    """tests/labs/<lab>/<name>.py as a module (None when the lab has no such file)."""
+    if name not in ANSWER_FILES:
+        raise ValueError(f"{name!r} is not one of a lab's answer files {ANSWER_FILES}")
+    path = LAB_TESTS / lab / f"{name}.py"
+    if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(f"wrong_{lab}", path)
+    spec = importlib.util.spec_from_file_location(f"{name}_{lab}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _answers(lab: str, table: str) -> dict[str, list[tuple[str, str]]]:
+    ours, red = (getattr(lab_file(lab, name), table, {}) for name in ANSWER_FILES)
+    merged = {exercise: list(answers) for exercise, answers in ours.items()}
+    for exercise, answers in red.items():
+        merged.setdefault(exercise, []).extend((f"red team: {description}", source) for description, source in answers)
+    return merged
+
+
 def wrong_answers(lab: str) -> dict[str, list[tuple[str, str]]]:
-    """exercise -> [(the mistake, its source)]: each must lose points (tests/wrong_answers/<lab>.py)."""
-    return getattr(_answers_module(lab), "WRONG_ANSWERS", {})
+    """exercise -> [(the mistake, its source)]: each must lose points (tests/labs/<lab>/answers.py, then redteam.py)."""
+    return _answers(lab, "WRONG_ANSWERS")
 
 
 def replays_solution_runs(lab: str) -> bool:
     """Whether the lab's wrong answers are judged first with the solution's torchrun results replayed
-    (``REPLAY_SOLUTION_RUNS = True`` beside the wrong answers; see ``LiveLab.try_wrong_answer``)."""
-    return bool(getattr(_answers_module(lab), "REPLAY_SOLUTION_RUNS", False))
+    (``REPLAY_SOLUTION_RUNS = True`` in tests/labs/<lab>/answers.py; see ``LiveLab.try_wrong_answer``)."""
+    return bool(getattr(lab_file(lab, "answers"), "REPLAY_SOLUTION_RUNS", False))
 
 
 def correct_variants(lab: str) -> dict[str, list[tuple[str, str]]]:
     """exercise -> [(how it differs, its source)]: correct answers written differently, which must keep
-    full marks (``CORRECT_VARIANTS`` beside the wrong answers; optional)."""
-    return getattr(_answers_module(lab), "CORRECT_VARIANTS", {})
+    full marks (``CORRECT_VARIANTS`` beside the wrong answers, ours then the red team's; optional)."""
+    return _answers(lab, "CORRECT_VARIANTS")
+
+
+_MARKERS = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[ \t]*(\n|$)", re.MULTILINE)
+
+
+class SolutionCells:
+    """A lab's solution cells as answers: ``source(grade_id)`` is the cell without the solution markers, and
+    ``changed(grade_id, (old, new), ...)`` is that cell with one mistake put in. It checks that each text it
+    replaces is there, so a change to the solution cannot silently turn a wrong answer into the right one.
+
+        _cells = SolutionCells("06_ddp_from_scratch")
+        WRONG_ANSWERS = {"assign_buckets": [("returns the buckets last first",
+                         _cells.changed("assign_buckets", ("    return buckets\\n", "    return buckets[::-1]\\n")))]}
+    """
+
+    def __init__(self, lab: str):
+        self.lab = lab
+        self.nb = read(lab)
+
+    def source(self, grade_id: str) -> str:
+        for cell in self.nb.cells:
+            if nbg(cell).get("grade_id") == grade_id:
+                return _MARKERS.sub("", cell.source)
+        raise KeyError(f"{self.lab} has no cell with grade_id {grade_id!r}")
+
+    def changed(self, grade_id: str, *replacements: tuple[str, str]) -> str:
+        source = self.source(grade_id)
+        for old, new in replacements:
+            assert old in source, f"{self.lab} {grade_id}: the solution no longer contains {old!r}"
+            source = source.replace(old, new)
+        return source
 
 
 GRADING_READ = re.compile(r"^GRADING\s*=.*NBGRADER_EXECUTION", re.M)
@@ -179,8 +226,9 @@ class LiveLab:
     nbgrader grades with. One execution serves both: the student's sizes once, the grading sizes for each check.
     """
 
-    def __init__(self, lab: str, workdir: Path, cell_timeout_s: float = 600):
+    def __init__(self, lab: str, workdir: Path, cell_timeout_s: float = 600, env: dict[str, str] | None = None):
         self.lab = lab
+        self.env = env or {}
         self.workdir = workdir
         shutil.copytree(SOLUTIONS / lab, workdir, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*_impl.py"))
@@ -190,7 +238,7 @@ class LiveLab:
 
     def __enter__(self):
         env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}
-        self._ctx = self.client.setup_kernel(env={**env, "LABLIB_HEADLESS": "1"})
+        self._ctx = self.client.setup_kernel(env={**env, **self.env, "LABLIB_HEADLESS": "1"})
         self._ctx.__enter__()
         return self
 
@@ -320,9 +368,17 @@ def scaled_timeout(idle_s: float) -> float:
 # Autograding one notebook may take at most this long on the idle 2-core CI machine, stretched by the load (the solution's
 # own budget is 180 s at full size; under nbgrader sizes shrink).
 AUTOGRADE_LIMIT_S = 300
-# The background autogrades run beside the other tests: they get one core of the two, so neither oversubscribes the
-# machine (lablib.jobs.launch.available_cores reads LABLIB_CORES; parallel grading does the same).
-BACKGROUND_ENV = {"LABLIB_CORES": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a lab's kernels and torchrun steps when the suite runs on several pytest-xdist workers: each
+    worker's share of the cores (lablib.jobs.launch.available_cores reads LABLIB_CORES; parallel grading does the
+    same), so two labs checked side by side never oversubscribe the machine. Empty on one worker."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return {}
+    share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    return {"LABLIB_CORES": share, "OMP_NUM_THREADS": share, "MKL_NUM_THREADS": share}
 
 
 @dataclass
@@ -331,37 +387,56 @@ class LabGrading:
     results: list
 
 
-class BackgroundAutogrades:
-    """nbgrader autogrades the selected labs' solution and release, one lab after another, in a thread that
-    starts with the session (tests/conftest.py), so it runs beside the tests before tests/test_labs.py (many of
-    them wait more than they compute: a browser, Slurm, timeouts) and then beside the live-kernel checks. An
-    autograde is its own process (nbgrader and its kernel), so it never shares a kernel with a test.
-    test_solution_full_marks_and_release_zero asserts on the results."""
+def autograde(lab: str, work: Path) -> LabGrading:
+    """nbgrader autogrades the lab's solution and its unmodified release in a course of its own under ``work`` (each its
+    own process: nbgrader and its kernel), one after the other, each within AUTOGRADE_LIMIT_S stretched by the load."""
+    from instructor import course
 
-    def __init__(self, labs: list[str], work: Path):
-        self.work = work
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autograde")
-        self.futures: dict[str, Future] = {lab: self.pool.submit(self._grade, lab) for lab in labs}
-
-    def _grade(self, lab: str) -> LabGrading:
-        from instructor import course
-
-        submissions = {"solution": SOLUTIONS / lab / f"{lab}.ipynb", "release": LABS / lab / f"{lab}.ipynb"}
-        layout = course.CourseLayout.isolated(self.work / lab / "course", lab)
-        results = course.grade(lab, submissions, layout, per_student_timeout_s=scaled_timeout(AUTOGRADE_LIMIT_S),
-                               feedback=True, env=BACKGROUND_ENV)
-        return LabGrading(layout, results)
-
-    def result(self, lab: str) -> LabGrading:
-        if lab not in self.futures:   # selected after the pool started (not in this session's items): grade it now
-            self.futures[lab] = self.pool.submit(self._grade, lab)
-        return self.futures[lab].result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)   # at most the running autograde is waited for
+    submissions = {"solution": SOLUTIONS / lab / f"{lab}.ipynb", "release": LABS / lab / f"{lab}.ipynb"}
+    layout = course.CourseLayout.isolated(work / lab / "course", lab)
+    results = course.grade(lab, submissions, layout, per_student_timeout_s=scaled_timeout(AUTOGRADE_LIMIT_S),
+                           feedback=True, env=worker_env())
+    return LabGrading(layout, results)
 
 
-def live_check(lab: str, workdir: Path) -> dict:
+# The solution notebooks executed by tests/test_labs.py::test_wrong_answers_lose_points in this run, at a student's
+# sizes, one file per lab (<lab>.ipynb, or <lab>.failed when the test failed before one existed): tests/test_book.py
+# builds the book from these files. The controller of the run empties the folder when the run starts (conftest.py).
+EXECUTIONS = REPO / "test-artifacts" / "executions"
+
+
+def record_execution(lab: str, executed: Path | None, why: str = "") -> None:
+    """Leave the lab's executed notebook (or why there is none) in EXECUTIONS, whole: written beside, then renamed."""
+    EXECUTIONS.mkdir(parents=True, exist_ok=True)
+    partial = EXECUTIONS / f".{lab}.partial"
+    if executed is None:
+        partial.write_text(why or "no execution")
+        os.replace(partial, EXECUTIONS / f"{lab}.failed")
+    else:
+        shutil.copy(executed, partial)
+        os.replace(partial, EXECUTIONS / f"{lab}.ipynb")
+
+
+def wait_for_executions(labs: list[str], limit_s: float) -> dict[str, Path | str]:
+    """lab -> its executed notebook (a Path) or why there is none (a str), for each of ``labs``, waiting up to limit_s
+    for those whose test is still running on another worker (the book's test runs last in its worker's queue, after
+    every lab that worker was given; a lab given to the other worker may still be running)."""
+    deadline = time.monotonic() + limit_s
+    found: dict[str, Path | str] = {}
+    while True:
+        for lab in labs:
+            if lab in found:
+                continue
+            if (EXECUTIONS / f"{lab}.ipynb").is_file():
+                found[lab] = EXECUTIONS / f"{lab}.ipynb"
+            elif (EXECUTIONS / f"{lab}.failed").is_file():
+                found[lab] = (EXECUTIONS / f"{lab}.failed").read_text()
+        if len(found) == len(labs) or time.monotonic() > deadline:
+            return found
+        time.sleep(2)
+
+
+def live_check(lab: str, workdir: Path, env: dict[str, str] | None = None) -> dict:
     """tests/test_labs.py::test_wrong_answers_lose_points's work for one lab, in a LiveLab under ``workdir``: the
     solution top to bottom at a student's sizes (the executed notebook is written to workdir/<lab>.ipynb), the
     switch to nbgrader's sizes, then every wrong answer and correct variant. Returns a JSON-ready dict: ``times``
@@ -373,7 +448,7 @@ def live_check(lab: str, workdir: Path) -> dict:
     t0 = time.perf_counter()
     try:
         replay = replays_solution_runs(lab)
-        with LiveLab(lab, workdir) as live:
+        with LiveLab(lab, workdir, env=env) as live:
             if replay:
                 live.record_solution_runs()
             executed = live.run_all()
@@ -417,103 +492,5 @@ def live_check(lab: str, workdir: Path) -> dict:
 
 
 # A lab's live check takes at most this long on the idle 2-core CI machine (lab 00, the dearest, took 209 s at a load
-# of about 2), stretched by the load when it starts; past it the background lane stops the check and its test fails.
+# of about 2), stretched by the load when it starts: the labs tier's time limit per test (conftest.py).
 LIVE_CHECK_LIMIT_S = 600
-
-
-class BackgroundLabChecks:
-    """A second lane for tests/test_labs.py::test_wrong_answers_lose_points: each selected lab's ``live_check`` runs
-    exactly once, either in its test (the foreground, from the first lab on) or in this lane, which takes the labs
-    from the last one backwards in a subprocess of its own (its kernel and torchrun runs get one core's share,
-    BACKGROUND_ENV, as the autogrades do) until the two meet. It starts on the background pool after the autogrades,
-    so it fills the time the tests before tests/test_labs.py spend waiting (browsers, Slurm, timeouts), and then
-    runs one lab beside the foreground's: a lab's checks are a kernel's single-threaded Python between torchrun
-    starts, so two at a time keep both cores busy. ``claim(lab)`` is the foreground's side: None when the test is to
-    run the lab itself, else the Future of the lane's result (live_check's dict, plus ``seconds`` and ``log``)."""
-
-    def __init__(self, labs: list[str], work: Path, pool: ThreadPoolExecutor):
-        self.order = list(labs)
-        self.work = work
-        self.lock = threading.Lock()
-        self.claimed: dict[str, Future | None] = {}   # lab -> the lane's Future, or None once the foreground has it
-        self.stopping = False
-        self.running: subprocess.Popen | None = None   # the lane's subprocess now, for close()
-        self.pool = pool
-        pool.submit(self._lane)
-
-    def claim(self, lab: str) -> Future | None:
-        with self.lock:
-            if self.claimed.get(lab) is not None:
-                return self.claimed[lab]
-            self.claimed[lab] = None
-            return None
-
-    def _lane(self) -> None:
-        while True:
-            with self.lock:
-                pending = [lab for lab in self.order if lab not in self.claimed]
-                if self.stopping or not pending:
-                    return
-                lab, future = pending[-1], Future()
-                self.claimed[lab] = future
-            try:
-                future.set_result(self._run(lab))
-            except BaseException as e:   # never leave the foreground waiting on a Future nobody completes
-                future.set_exception(e)
-
-    def _run(self, lab: str) -> dict:
-        workdir = self.work / lab
-        workdir.mkdir(parents=True, exist_ok=True)
-        out, log = self.work / f"{lab}.json", self.work / f"{lab}.log"
-        env = {**os.environ, **BACKGROUND_ENV,
-               "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-        limit = scaled_timeout(LIVE_CHECK_LIMIT_S)
-        t0 = time.perf_counter()
-        with open(log, "w") as log_file:
-            with self.lock:
-                if self.stopping:
-                    raise RuntimeError(f"{lab}: the session ended before the background lane started its check")
-                proc = self.running = subprocess.Popen([sys.executable, __file__, lab, str(workdir / lab), str(out)],
-                                                       env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
-            try:
-                proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                _kill_tree(proc)
-            finally:
-                self.running = None
-        seconds = time.perf_counter() - t0
-        tail = log.read_text(errors="replace")[-3000:]
-        if not out.is_file():
-            how = f"ran past its limit of {limit} s and was stopped" if seconds >= limit else f"exited {proc.returncode}"
-            raise RuntimeError(f"{lab}: the background lane's live check {how} and wrote no result; its log "
-                               f"({log}) ends:\n{tail}")
-        return {**json.loads(out.read_text()), "seconds": seconds, "log": str(log)}
-
-    def close(self) -> None:
-        """At the session's end (every selected lab claimed) nothing runs; after pytest -x stopped the session early,
-        the lab the lane is checking has no test left to report it: its process tree is stopped, not waited for."""
-        with self.lock:
-            self.stopping = True
-            if self.running is not None:
-                _kill_tree(self.running)
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """Kill a process and every process below it (a kernel, torchrun and its ranks), then reap it."""
-    import psutil
-
-    try:
-        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    except psutil.Error:
-        family = []
-    for p in family:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    proc.wait()
-
-
-if __name__ == "__main__":   # BackgroundLabChecks's subprocess: python labkit.py LAB WORKDIR OUT_JSON
-    _lab, _workdir, _out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    Path(_out).write_text(json.dumps(live_check(_lab, _workdir)))

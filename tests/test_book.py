@@ -1,10 +1,10 @@
 """The self-study book (launchers/book), built from the executions this test run already made.
 
 Executing every lab again for the book would double the suite's cost, so the book is built from the
-notebooks that tests/test_labs.py's live-kernel run of each solution leaves behind: executed top to bottom at
-the sizes a student runs (no NBGRADER_EXECUTION), as the book shows the labs. They are put into the book's
-execution cache and the build executes nothing. That test therefore runs last (pytest-order) and only with
-those tests (it is `slow` like them). The built book stays in test-artifacts/book/html for a person to look at.
+notebooks that tests/test_labs.py's live-kernel run of each solution leaves behind as files (labkit.EXECUTIONS):
+executed top to bottom at the sizes a student runs (no NBGRADER_EXECUTION), as the book shows the labs. They are put
+into the book's execution cache and the build executes nothing. That test therefore runs last (tests/conftest.py
+orders it so) and only with those tests (it is `slow` like them). The built book stays in test-artifacts/book/html for a person to look at.
 The staging of the sources (model answers in boxes, nbgrader's markers gone) is checked first, in seconds, and one
 lab's page built without executing it (answers folded, hidden tests gone, code that fits in Chromium, folds open in
 print). The whole book's check adds every page: no grader code anywhere in the site, no open answer, and no code line
@@ -400,16 +400,20 @@ def test_a_page_without_outputs_folds_answers_prints_them_and_fits(tmp_path, chr
 # --- the whole book, from the suite's executions -------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.order("last")
-def test_book_shows_every_lab_with_its_figures(request, interactive_solutions):
+def test_book_shows_every_lab_with_its_figures(request):
+    """The whole book, built from the solutions that tests/test_labs.py executed in this run (files in
+    labkit.EXECUTIONS). conftest.py puts this test last in the run's order, so every lab's test was handed to a
+    worker before it: the ones on this test's worker are done, one on the other worker may still run (waited for)."""
     labs = labkit.labs()
-    executed_here = {lab for lab in labs if any(f"{EXECUTING_TEST}[{lab}]" in item.nodeid for item in request.session.items)}
-    seeds = {lab: path for lab, path in interactive_solutions.items() if lab in executed_here}
+    executed_here = [lab for lab in labs if any(f"{EXECUTING_TEST}[{lab}]" in item.nodeid for item in request.session.items)]
     if not executed_here:
         pytest.fail(f"no lab's solution was executed in this run, and the book test only reuses those executions: run it "
                     f"with {EXECUTING_TEST} (the whole suite does; by hand: launchers/test -k 'book or wrong_answers')")
-    missing = executed_here - set(seeds)
-    assert not missing, f"{EXECUTING_TEST} ran for {sorted(missing)} but did not pass, so there is no execution to build from"
+    found = labkit.wait_for_executions(executed_here, labkit.scaled_timeout(labkit.LIVE_CHECK_LIMIT_S))
+    seeds = {lab: path for lab, path in found.items() if isinstance(path, Path)}
+    missing = {lab: found.get(lab, "still running past the live check's time limit") for lab in executed_here
+               if lab not in seeds}
+    assert not missing, f"{EXECUTING_TEST} ran for {sorted(missing)} but did not pass, so there is no execution to build from: {missing}"
 
     check_book(labs, seeds)
 

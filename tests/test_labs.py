@@ -2,7 +2,7 @@
 
 - labs/ is exactly what nbgrader generate_assignment makes from solutions/;
 - labs/ contains no solution code and no hidden-test text;
-- every exercise has test cells and at least one plausible wrong answer (tests/wrong_answers/);
+- every exercise has test cells and at least one plausible wrong answer (tests/labs/<lab>/answers.py);
 - the solution autogrades to full marks and the unmodified release to zero, with nbgrader, in time;
 - the solution runs top to bottom without an error at the sizes a student runs (NBGRADER_EXECUTION unset);
 - each wrong answer fails at least one of its exercise's tests (run in a live kernel, not a whole re-execution).
@@ -20,11 +20,6 @@ import pytest
 import labkit
 
 LABS = labkit.labs()
-# LAB_CHECKS_LAST: the labs' live checks and the autograde results come after the other files' tests (only the book,
-# which is built from them, comes later). The tests that mostly wait (tests/test_launch.py's hangs and timeouts,
-# tests/test_multinode.py's nodes and Slurm) then run while the background pool works (the autogrades, then the live
-# checks' second lane), instead of at the end with one core idle; on the 2-core machine that tail took 6 minutes at
-# about 55% of the cores.
 
 
 def _diff(a, b) -> list[str]:
@@ -95,7 +90,7 @@ def test_every_exercise_has_tests_and_a_wrong_answer(lab):
     wrong = labkit.wrong_answers(lab)
     for exercise in exercises:
         assert labkit.test_cells(nb, exercise), f"exercise {exercise} has no test cell test_{exercise}..."
-        assert wrong.get(exercise), f"exercise {exercise} has no wrong answer in tests/wrong_answers/{lab}.py"
+        assert wrong.get(exercise), f"exercise {exercise} has no wrong answer in tests/labs/{lab}/answers.py"
     for cell in nb.cells:
         meta = labkit.nbg(cell)
         if meta.get("grade") and cell.cell_type == "code":
@@ -103,40 +98,35 @@ def test_every_exercise_has_tests_and_a_wrong_answer(lab):
 
 
 @pytest.mark.slow
-@pytest.mark.order(-2)   # after every other file's tests, before the book (LAB_CHECKS_LAST)
 @pytest.mark.parametrize("lab", LABS)
-def test_wrong_answers_lose_points(lab, tmp_path, lab_times, interactive_solutions, background_lab_checks):
+def test_wrong_answers_lose_points(lab, tmp_path, record_property):
     """The solution runs top to bottom at the sizes a student runs (the first error fails the test at once, with
     its cell); the same kernel then switches to nbgrader's sizes, and every wrong answer must lose points there
-    and every correct variant keep them (labkit.live_check). The executed notebook is the book's page of the lab.
-    Each lab's check runs once: here, or in the background lane (labkit.BackgroundLabChecks) when that took the lab
-    first; this test then reports the lane's result. (The selected labs' solutions and releases are autograded
-    in the background too, before the lane starts.)"""
-    lane = background_lab_checks.claim(lab) if background_lab_checks else None
-    if lane is None:
-        result = labkit.live_check(lab, tmp_path / lab)
-    else:
-        result = lane.result()
-        print(f"checked in the background lane in {result['seconds']:.0f} s (log: {result['log']})")
-        lab_times.setdefault(lab, {})["background lane"] = result["seconds"]
-    lab_times.setdefault(lab, {}).update(result["times"])
+    and every correct variant keep them (labkit.live_check). The executed notebook is the book's page of the lab:
+    it is left in labkit.EXECUTIONS for tests/test_book.py (or why there is none)."""
+    try:
+        result = labkit.live_check(lab, tmp_path / lab, env=labkit.worker_env())
+    except BaseException as e:
+        labkit.record_execution(lab, None, f"the live check raised {type(e).__name__}: {e}")
+        raise
+    for phase, seconds in result["times"].items():
+        record_property(phase, seconds)
+    labkit.record_execution(lab, Path(result["executed"]) if result["executed"] else None, result["raised"] or "")
     if result["raised"]:
         raise labkit.LabRaised(result["raised"])
-    interactive_solutions[lab] = Path(result["executed"])
     print("\n".join(result["report"]))
     assert not result["missed"], "wrong answers that lose no points:\n" + "\n".join(result["missed"])
     assert not result["punished"], "correct answers that lose points:\n" + "\n".join(result["punished"])
 
 
 @pytest.mark.slow
-@pytest.mark.order(-2)   # after every other file's tests, before the book (LAB_CHECKS_LAST)
 @pytest.mark.parametrize("lab", LABS)
-def test_solution_full_marks_and_release_zero(lab, lab_times, autograded_solutions, background_autogrades):
-    grading = background_autogrades.result(lab)
+def test_solution_full_marks_and_release_zero(lab, tmp_path, record_property):
+    grading = labkit.autograde(lab, tmp_path)
     results = {r.student: r for r in grading.results}
     solution, release = results["solution"], results["release"]
-    lab_times.setdefault(lab, {})["solution autograde"] = solution.seconds
-    lab_times[lab]["release autograde"] = release.seconds
+    record_property("solution autograde", solution.seconds)
+    record_property("release autograde", release.seconds)
     assert solution.status == "ok", solution.message
     assert solution.auto_max > 0
     assert solution.auto_score == solution.auto_max, f"solution scored {solution.auto_score}/{solution.auto_max}: {solution.cells}"
@@ -146,4 +136,3 @@ def test_solution_full_marks_and_release_zero(lab, lab_times, autograded_solutio
     assert (course_dir / "feedback" / "solution" / lab / f"{lab}.html").is_file(), "no feedback HTML generated"
     executed = course_dir / "autograded" / "solution" / lab / f"{lab}.ipynb"
     assert executed.is_file(), f"nbgrader left no autograded notebook at {executed}"
-    autograded_solutions[lab] = executed

@@ -1,19 +1,14 @@
-"""Wrong answers for lab 12 (see tests/wrong_answers/__init__.py): the solution's own cells with one mistake each,
+"""Wrong answers for lab 12 (tests/labkit.py: the lab's answer files): the solution's own cells with one mistake each,
 the mistakes issue 28 names (a merge without the max, the mask from local positions, K/V the wrong way round, a
 blocking send before the receive, Ulysses cut along the wrong dimension) and others students make. Every one is
 caught on thread ranks before a torchrun start, except where said."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
-from wrong_answers import SolutionCells
+from labkit import SolutionCells
 
 # The red team's (a reviewer who had read only the released notebook): added to each list at the end.
-_spec = importlib.util.spec_from_file_location("redteam_12", Path(__file__).with_name("redteam_12_context_parallel.py"))
-_redteam = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_redteam)
 
 _cells = SolutionCells("12_context_parallel")
 _changed = _cells.changed
@@ -209,7 +204,3 @@ CORRECT_VARIANTS = {
     ],
 }
 
-for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
-    WRONG_ANSWERS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)
-for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
-    CORRECT_VARIANTS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)

@@ -1,5 +1,5 @@
-"""Wrong answers for lab 07 (see tests/wrong_answers/__init__.py): the solution's own cells, one mistake each, and the
-answers of a reviewer who had read only the released notebook (``redteam_07_zero_from_scratch.py`` beside this file).
+"""Wrong answers for lab 07 (tests/labkit.py: the lab's answer files): the solution's own cells, one mistake each, and the
+answers of a reviewer who had read only the released notebook (``redteam.py`` beside this file, which labkit appends).
 Where a mistake of ours and one of the reviewer's were the same, the reviewer's is kept (for ZeRO3: a second
 micro-batch overwriting the shard's gradient is the reviewer's answer written before accumulation was asked for;
 freeing only in step() keeps every unit whole after its backward, as the reviewer's unit never freed after its
@@ -8,18 +8,9 @@ rehearsal (no torchrun start), several only in its hidden cases."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
-from wrong_answers import SolutionCells
+from labkit import SolutionCells, lab_file
 
-_spec = importlib.util.spec_from_file_location("redteam_07", Path(__file__).with_name("redteam_07_zero_from_scratch.py"))
-_redteam = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_redteam)
-
-
-def _red(exercise: str, table: dict) -> list[tuple[str, str]]:
-    return [(f"red team: {description}", source) for description, source in table[exercise]]
 
 LAB = "07_zero_from_scratch"
 # Each wrong answer is judged first with the solution's torchrun results replayed (tests/labkit.py,
@@ -139,15 +130,10 @@ CORRECT_VARIANTS = {
 }
 
 
-for _exercise in WRONG_ANSWERS:
-    WRONG_ANSWERS[_exercise] += _red(_exercise, _redteam.WRONG_ANSWERS)
-CORRECT_VARIANTS["sharded_optimizer"] += _red("sharded_optimizer", _redteam.CORRECT_VARIANTS)
-CORRECT_VARIANTS["zero2"] += _red("zero2", _redteam.CORRECT_VARIANTS)
 # The reviewer's ZeRO3 variant was written when the text did not yet say that a second backward before step() adds to
-# the shard's gradient: it overwrites it, a wrong answer now (the hidden two-micro-batch case); with the addition it is
-# a correct variant.
-(_description, _source), = _redteam.CORRECT_VARIANTS["zero3"]
-WRONG_ANSWERS["zero3"].append((f"red team (written before accumulation was asked for): {_description}", _source))
+# the shard's gradient: it overwrites it, a wrong answer now (the hidden two-micro-batch case; redteam.py lists it with
+# its wrong answers); with the addition it is a correct variant.
+(_description, _source), = lab_file(LAB, "redteam").Z3_CORRECT
 _OVERWRITES = "        unit.shard.grad = out / N\n"
 assert _OVERWRITES in _source
 _ADDS = _source.replace(

@@ -1,33 +1,24 @@
-"""Wrong answers for lab 06 (see tests/wrong_answers/__init__.py).
+"""Wrong answers for lab 06 (tests/labkit.py: the lab's answer files).
 
 Most are the solution's own cell with one mistake put in (``_changed`` checks that the text it replaces is
 there, so a change to the solution cannot silently turn a wrong answer into the right one); the red team's,
-written from the released notebook alone, come from ``redteam_06_ddp_from_scratch.py`` beside this file. Where one
+written from the released notebook alone, come from ``redteam.py`` beside this file, which labkit appends. Where one
 of ours made the same mistake as one of the red team's, caught by the same check, the red team's is kept (ours
 dropped: broadcasting the trainable parameters only; all-reduces started in finish_gradient_synchronization; a tied
 weight hooked twice; a bucket that may not reach the cap; buckets launched as they complete, not in index order (the
 red team's old-contract answers); buckets in registration order; bookkeeping never reset; every bucket launched in
-finish_gradient_synchronization).
+finish_gradient_synchronization; the multiple choice's (a) and (d)).
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
-from wrong_answers import SolutionCells
+from labkit import SolutionCells
 
 LAB = "06_ddp_from_scratch"
 _cells = SolutionCells(LAB)
 _solution, _changed = _cells.source, _cells.changed
 
-_spec = importlib.util.spec_from_file_location("redteam_06", Path(__file__).with_name("redteam_06_ddp_from_scratch.py"))
-_redteam = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_redteam)
-
-
-def _red(exercise: str, answers) -> list[tuple[str, str]]:
-    return [(f"red team: {description}", source) for description, source in answers[exercise]]
 
 
 _MARK_UNUSED = '''        if torch.is_grad_enabled():                        # unused parameters are ready now: no hook will come
@@ -50,13 +41,11 @@ WRONG_ANSWERS = {
              "            if p.grad is not None:\n"
              "                p.grad.div_(self.world_size)\n"
              "                self.handles.append(dist.all_reduce(p.grad, async_op=True))\n"))),
-        *_red("ddp_individual", _redteam.WRONG_ANSWERS),
     ],
     "assign_buckets": [
         ("after a parameter larger than the cap, the next ones join its bucket", _changed(
             "assign_buckets", ("        current.append(i)\n        filled += size\n",
                                "        current.append(i)\n        filled += size if size <= cap else 0\n"))),
-        *_red("assign_buckets", _redteam.WRONG_ANSWERS),
     ],
     "ddp_bucketed": [
         ("marks unused parameters only at the end of the backward, in finish: the first bucket (the parameters "
@@ -81,18 +70,12 @@ WRONG_ANSWERS = {
         ("a refusal of unused parameters instead of handling them (allowed by the old contract, not by DDP's)", _changed(
             "ddp_bucketed", (_MARK_UNUSED, "        if torch.is_grad_enabled() and len(reached_parameters(output)) < len(self.params):\n"
                                            "            raise RuntimeError('a parameter got no gradient (unused in forward)')\n"))),
-        *_red("ddp_bucketed", _redteam.WRONG_ANSWERS),
-        *[(f"red team (old contract's correct variant): {d}", s) for d, s in _redteam.CORRECT_VARIANTS["ddp_bucketed"]],
     ],
-    "one_bucket_answer": [
-        ("believes one bucket starts with the first gradient", 'one_bucket_answer = "a"'),
-        ("believes gloo's chunks overlap a finished backward", 'one_bucket_answer = "d"'),
-    ],
+    # one_bucket_answer: the red team's (a) and (d) (redteam.py), the same two choices ours were
 }
 
 # A correct variant runs every test cell (torchrun starts, visible and hidden): a few, each a different spelling.
 CORRECT_VARIANTS = {
-    "ddp_individual": _red("ddp_individual", _redteam.CORRECT_VARIANTS),
     "assign_buckets": [
         ("builds the buckets from the boundaries", '''
 %%writefile buckets_impl.py
@@ -107,7 +90,6 @@ def assign_buckets(param_bytes, bucket_size_mb):
     ends = starts[1:] + [len(param_bytes)]
     return [list(range(a, b)) for a, b in zip(starts, ends)]
 '''),
-        *_red("assign_buckets", _redteam.CORRECT_VARIANTS),
     ],
     "ddp_bucketed": [
         ("`import buckets_impl`, persistent flat buckets with every gradient a view into them (DDP's "
@@ -211,5 +193,4 @@ class DDPBucketed(_Synchronizer):
         self._reset()
 '''),
     ],
-    "one_bucket_answer": _red("one_bucket_answer", _redteam.CORRECT_VARIANTS),
 }

@@ -223,7 +223,7 @@ def test_shards_that_are_views_of_the_callers_layer_are_refused(one_rank):
 def test_the_thread_rehearsal_judges_values_on_two_thread_ranks(tmp_path):
     """Exercise 2's rehearsal on 2 threads (no process group): the solution passes, a bias added on every rank
     before g (right on one rank) fails there, before any torchrun start."""
-    from wrong_answers import SolutionCells
+    from labkit import SolutionCells
 
     source = SolutionCells(LAB).source("tp_mlp").split("\n", 1)[1]
     impl = tmp_path / "tp_mlp_impl.py"
@@ -389,7 +389,7 @@ def test_by_hand_gradients_are_put_back_through_the_rows_found(one_rank):
 
 
 def test_megatron_layout_round_robin_heads_pass_on_two_ranks(tmp_path):
-    """The lab's correct variant of exercise 3 (tests/wrong_answers/08_tensor_parallel.py) on real ranks."""
+    """The lab's correct variant of exercise 3 (answers.py beside this file) on real ranks."""
     description, source = labkit.correct_variants(LAB)["tp_attention"][0]
     impl = tmp_path / "tp_attention_impl.py"
     impl.write_text(source.split("\n", 1)[1])                      # without its %%writefile line

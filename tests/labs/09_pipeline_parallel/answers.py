@@ -1,4 +1,4 @@
-"""Wrong answers for lab 09 (see tests/wrong_answers/__init__.py).
+"""Wrong answers for lab 09 (tests/labkit.py: the lab's answer files).
 
 Most are the solution's own cell with one mistake put in (``_changed`` checks that the text it replaces is
 there, so a change to the solution cannot silently turn a wrong answer into the right one). The others take
@@ -11,16 +11,11 @@ raised would leave them).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 from instructor.references import pipeline as _reference
-from wrong_answers import SolutionCells
+from labkit import SolutionCells
 
 # The red team's (a reviewer who had read only the released notebook): added to each list at the end.
-_spec = importlib.util.spec_from_file_location("redteam_09", Path(__file__).with_name("redteam_09_pipeline_parallel.py"))
-_redteam = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_redteam)
 
 LAB = "09_pipeline_parallel"
 _changed = SolutionCells(LAB).changed
@@ -285,7 +280,3 @@ def pipeline_step(stage, ops, micro_inputs, micro_targets, activation_shape):
     return [losses[j] for j in range(m)] if last else []
 ''')]
 
-for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
-    WRONG_ANSWERS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)
-for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
-    CORRECT_VARIANTS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)

@@ -1,4 +1,4 @@
-"""Wrong answers for lab 02 (see tests/wrong_answers/__init__.py)."""
+"""Wrong answers for lab 02 (tests/labkit.py: the lab's answer files)."""
 
 _RING_HEADER = '''%%writefile ring_impl.py
 import torch

@@ -1,7 +1,7 @@
 """Lab 06 answers written by a reviewer who had read only the released notebook (no tests, no solution), before the
-bucket-order contract: ten or more plausible wrong answers and two correct variants per exercise. tests/wrong_answers/
-06_ddp_from_scratch.py adds them to its lists; the bucketed "correct" ones launch each bucket when it is complete, which
-the contract now forbids, so they are wrong answers there."""
+bucket-order contract: ten or more plausible wrong answers and two correct variants per exercise. tests/labkit.py
+appends them to answers.py's lists; the bucketed "correct" ones launch each bucket when it is complete, which the
+contract now forbids, so they are wrong answers (WRONG_ANSWERS below)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -582,13 +582,12 @@ ONE_CORRECT = [
 WRONG_ANSWERS = {
     "ddp_individual": IND_WRONG,
     "assign_buckets": ASSIGN_WRONG,
-    "ddp_bucketed": BUCK_WRONG,
+    "ddp_bucketed": [*BUCK_WRONG, *[(f"(old contract's correct variant) {d}", s) for d, s in BUCK_CORRECT]],
     "one_bucket_answer": ONE_WRONG,
 }
 
 CORRECT_VARIANTS = {
     "ddp_individual": IND_CORRECT,
     "assign_buckets": ASSIGN_CORRECT,
-    "ddp_bucketed": BUCK_CORRECT,
     "one_bucket_answer": ONE_CORRECT,
 }

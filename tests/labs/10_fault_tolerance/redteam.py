@@ -1,6 +1,6 @@
 """Lab 10 answers written by a reviewer who had read only the released notebook (no tests, no solution): eleven
 plausible wrong answers and two correct variants for exercise 1 (one of them run: see CORRECT_VARIANTS), six and two
-for exercise 2 (Young/Daly), two and one for the multiple choice. tests/wrong_answers/10_fault_tolerance.py adds them to its lists. Written before the
+for exercise 2 (Young/Daly), two and one for the multiple choice. tests/labkit.py appends them to answers.py's lists. Written before the
 graded reshard: the reviewer's "this_rank(...) == None not handled" passed every check then (it resumes only at the
 same world size) and is caught by the reshard now."""
 

@@ -1,4 +1,4 @@
-"""Wrong answers and correct variants for lab 11 (see tests/wrong_answers/__init__.py).
+"""Wrong answers and correct variants for lab 11 (tests/labkit.py: the lab's answer files).
 
 Exercise 1's hidden checks run first in the kernel (wrappers that record what the strategy gives them), so its wrong
 answers fail before any torchrun start; each correct variant costs one start of the graded run (5 rows, 2 ranks).
@@ -8,7 +8,7 @@ notebook only; the ones the first tests missed are marked "(missed before)".
 
 from __future__ import annotations
 
-from wrong_answers import SolutionCells
+from labkit import SolutionCells
 
 LAB = "11_strategy_benchmark"
 _changed = SolutionCells(LAB).changed

@@ -15,7 +15,7 @@ from lablib.labs.zero_from_scratch import zero12 as zero_probes, zero3 as zero3_
 from lablib.labs.zero_from_scratch.lab04_formula import lab04_bytes_per_rank
 from lablib.labs.zero_from_scratch import run_zero_scratch as zero_scratch, run_zero_stages as zero_stages
 
-SOLUTIONS = __import__("pathlib").Path(__file__).resolve().parents[1] / "solutions"
+SOLUTIONS = __import__("pathlib").Path(__file__).resolve().parents[3] / "solutions"
 
 
 class _StateUnderAnOddName:

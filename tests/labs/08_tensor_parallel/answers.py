@@ -1,4 +1,4 @@
-"""Wrong answers for lab 08 (see tests/wrong_answers/__init__.py): the solution's own cells with one mistake each.
+"""Wrong answers for lab 08 (tests/labkit.py: the lab's answer files): the solution's own cells with one mistake each.
 
 Only the mistakes the issue names, plus those the world-size-1 pre-check catches without a torchrun start (every
 other wrong answer costs one 4-rank start of CI time). Among the latter, the ways to take exercise 1 from the
@@ -13,15 +13,10 @@ heads split inside a head; answer (b).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
-from wrong_answers import SolutionCells
+from labkit import SolutionCells
 
 # The red team's (a reviewer who had read only the released notebook): added to each list below.
-_spec = importlib.util.spec_from_file_location("redteam_08", Path(__file__).with_name("redteam_08_tensor_parallel.py"))
-_redteam = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_redteam)
 
 _cells = SolutionCells("08_tensor_parallel")
 _changed = _cells.changed
@@ -175,7 +170,3 @@ CORRECT_VARIANTS = {
     ],
 }
 
-for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
-    WRONG_ANSWERS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)
-for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
-    CORRECT_VARIANTS.setdefault(_exercise, []).extend((f"red team: {d}", src) for d, src in _answers)

@@ -1,4 +1,4 @@
-"""Wrong answers for lab 13 (see tests/wrong_answers/__init__.py): the solution's own cells with one mistake each,
+"""Wrong answers for lab 13 (tests/labkit.py: the lab's answer files): the solution's own cells with one mistake each,
 and correct answers written another way (CORRECT_VARIANTS), which must keep full marks.
 
 Exercises 3 and 4 are rehearsed on threads before their torchrun start, so every wrong answer below fails there,
@@ -10,7 +10,7 @@ gradient).
 
 from __future__ import annotations
 
-from wrong_answers import SolutionCells
+from labkit import SolutionCells
 
 _cells = SolutionCells("13_expert_parallel")
 _changed = _cells.changed

@@ -1,6 +1,6 @@
 """Lab 07 answers written by a reviewer who had read only the released notebook (no tests, no solution), before
 the collectives, the backward and gradient accumulation were graded: plausible wrong answers and a correct variant
-per exercise. tests/wrong_answers/07_zero_from_scratch.py adds them to its lists; the ZeRO3 correct variant (and the
+per exercise. tests/labkit.py appends them to answers.py's lists; the ZeRO3 correct variant (and the
 baseline) overwrite the shard's gradient on a second backward, which the exercise now says to add to, so there
 it is a wrong answer, and the same code with the addition a correct variant."""
 
@@ -529,6 +529,9 @@ Z3_CORRECT = [
                "        unit.shard.grad = out / N\n"))),
 ]
 
-WRONG_ANSWERS = {"sharded_optimizer": Z1_WRONG, "zero2": Z2_WRONG, "zero3": Z3_WRONG}
-CORRECT_VARIANTS = {"sharded_optimizer": Z1_CORRECT, "zero2": Z2_CORRECT, "zero3": Z3_CORRECT}
+# Z3_CORRECT overwrites the shard's gradient on a second backward before step(): written before the text asked for
+# accumulation, it is a wrong answer now (answers.py adds the accumulation and keeps it as a correct variant).
+WRONG_ANSWERS = {"sharded_optimizer": Z1_WRONG, "zero2": Z2_WRONG,
+                 "zero3": [*Z3_WRONG, *[(f"(written before accumulation was asked for) {d}", s) for d, s in Z3_CORRECT]]}
+CORRECT_VARIANTS = {"sharded_optimizer": Z1_CORRECT, "zero2": Z2_CORRECT}
 BASELINES = {"sharded_optimizer": Z1, "zero2": Z2, "zero3": Z3}

@@ -1,16 +1,11 @@
-"""Wrong answers for lab 00 (see tests/wrong_answers/__init__.py). The red team's (a reviewer who had read only the
-released notebook) come from ``redteam_00_collectives.py`` beside this file and are added to each list. Where one of
+"""Wrong answers for lab 00 (tests/labkit.py: the lab's answer files). The red team's (a reviewer who had read only the
+released notebook) come from ``redteam.py`` beside this file, which labkit appends and are added to each list. Where one of
 ours made the same mistake as one of the red team's, caught by the same check, the red team's is kept (ours dropped:
 all_reduce summing in place into inputs[0]; reduce_scatter by torch.chunk without the divisibility error;
 destroy_process_group outside a finally; and the correct variant that asks rank 0's decision before averaging, which
 the red team's "the fix the other way round" is)."""
 
-import importlib.util
-from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("redteam_00", Path(__file__).with_name("redteam_00_collectives.py"))
-_redteam = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_redteam)
 
 _PREDICT_REST = '''
 
@@ -402,7 +397,3 @@ def setup_distributed(timeout_s=60.0):
     ],
 }
 
-for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
-    WRONG_ANSWERS[_exercise] = [*WRONG_ANSWERS[_exercise], *[(f"red team: {d}", s) for d, s in _answers]]
-for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
-    CORRECT_VARIANTS[_exercise] = [*CORRECT_VARIANTS.get(_exercise, []), *[(f"red team: {d}", s) for d, s in _answers]]

@@ -1,4 +1,4 @@
-"""Wrong answers for lab 04 (see tests/wrong_answers/__init__.py)."""
+"""Wrong answers for lab 04 (tests/labkit.py: the lab's answer files)."""
 
 _BYTES_HEADER = '''def bytes_per_rank(n_params, world_size, stage, recipe):
     if stage not in (0, 1, 2, 3):

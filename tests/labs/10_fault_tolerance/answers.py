@@ -1,17 +1,12 @@
-"""Wrong answers for lab 10 (see tests/wrong_answers/__init__.py): the solution's own cells, one mistake each. The
+"""Wrong answers for lab 10 (tests/labkit.py: the lab's answer files): the solution's own cells, one mistake each. The
 red team's (a reviewer who had read only the released notebook) come from ``redteam_10_fault_tolerance.py`` beside
 this file and are added to each list."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
-from wrong_answers import SolutionCells
+from labkit import SolutionCells
 
-_spec = importlib.util.spec_from_file_location("redteam_10", Path(__file__).with_name("redteam_10_fault_tolerance.py"))
-_redteam = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_redteam)
 
 LAB = "10_fault_tolerance"
 _cells = SolutionCells(LAB)
@@ -84,7 +79,3 @@ CORRECT_VARIANTS = {
     ],
 }
 
-for _exercise, _answers in _redteam.WRONG_ANSWERS.items():
-    WRONG_ANSWERS.setdefault(_exercise, []).extend(_answers)
-for _exercise, _answers in _redteam.CORRECT_VARIANTS.items():
-    CORRECT_VARIANTS.setdefault(_exercise, []).extend(_answers)

@@ -158,13 +158,11 @@ def test_thread_all_to_all_stays_inside_a_sub_group():
 
 
 def _ulysses_module(*replacements):
-    """The red team's Ulysses answer (tests/wrong_answers), each (old, new) replaced, as a module."""
-    import importlib.util
+    """The red team's Ulysses answer (redteam.py beside this file), each (old, new) replaced, as a module."""
     import types
-    path = Path(__file__).parent / "wrong_answers" / "redteam_12_context_parallel.py"
-    spec = importlib.util.spec_from_file_location("redteam_12", path)
-    redteam = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(redteam)
+
+    import labkit
+    redteam = labkit.lab_file("12_context_parallel", "redteam")
     source = redteam._ULY.split("\n", 1)[1]                          # without the %%writefile line
     for old, new in replacements:
         assert old in source, old

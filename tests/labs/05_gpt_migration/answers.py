@@ -1,4 +1,4 @@
-"""Wrong answers for lab 05 (see tests/wrong_answers/__init__.py)."""
+"""Wrong answers for lab 05 (tests/labkit.py: the lab's answer files)."""
 
 _DDP_HEADER = '''%%writefile ddp_impl.py
 import torch

@@ -1,4 +1,4 @@
-"""Wrong answers for lab 01 (see tests/wrong_answers/__init__.py)."""
+"""Wrong answers for lab 01 (tests/labkit.py: the lab's answer files)."""
 
 _ACCUM_HEADER = '''%%writefile accum_impl.py
 import contextlib

@@ -1,5 +1,5 @@
 """Lab 00 answers written by a reviewer who had read only the released notebook (no tests, no solution): ten or more
-plausible wrong answers and two correct variants per exercise. tests/wrong_answers/00_collectives.py adds them to its
+plausible wrong answers and two correct variants per exercise. tests/labkit.py appends them to answers.py's
 lists. Two changes since: the broken script's TARGET_LOSS is now 1.0 (the stop fires inside the run; the reviewer's
 fixed scripts copy the broken one, so they carry the new value), and exercise 4 now asks which tool does *not* name
 the stuck rank (DETAIL does name it), so the reviewer's (d) is now the answer and (b) a wrong one."""

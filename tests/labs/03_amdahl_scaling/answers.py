@@ -1,4 +1,4 @@
-"""Wrong answers for lab 03 (see tests/wrong_answers/__init__.py)."""
+"""Wrong answers for lab 03 (tests/labkit.py: the lab's answer files)."""
 
 _GUSTAFSON_OK = '''
 
