@@ -12,7 +12,8 @@ formulas, probes, checks and torchrun steps). The other folders hold what two or
 - ``lablib.jobs.processes`` the launcher-rank contract (run folder, logs, errors by restart attempt, deliberate kills)
 - ``lablib.jobs.multinode`` a step across machines: the torchrun command each node runs (``launchers/multinode``,
                             ``launchers/slurm.sbatch``), and several nodes on this machine (a node leaves or joins)
-- ``lablib.jobs.distenv``   the process environment: one frozen ``DistEnv`` built from torchrun's variables
+- ``lablib.jobs.distenv``   the process environment: one frozen ``DistEnv`` built from torchrun's variables;
+                            ``gather_objects``: every rank's object on each rank (per-rank figures brought together)
 - ``lablib.jobs.config``    typed, strict option parsing shared by the launcher and the run scripts
 - ``lablib.jobs.script``    the skeleton every run script shares (errors, JSON output, clean shutdown)
 - ``lablib.jobs.exercise``  loading the module file a notebook exercise wrote into a run script (``load_fresh``: one

@@ -21,7 +21,8 @@ from lablib.measure.benchmark import StepMeter
 from lablib.measure.memory import saved_activation_bytes
 from lablib.parallel.activation_checkpointing import CheckpointedBlock, apply_activation_checkpointing
 from lablib.jobs.distenv import from_env
-from lablib.measure.rankcheck import RecordingDataset, gather_objects, shard_report, weight_spread
+from lablib.measure.rankcheck import RecordingDataset, shard_report, weight_spread
+from lablib.jobs.distenv import gather_objects
 from lablib.course.models import GPT, GPTConfig
 from lablib.labs.gpt_migration import run as gpt_migration
 

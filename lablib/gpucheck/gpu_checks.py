@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lablib.jobs import script
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 
 CHECKS = ("zero_memory", "cp_sdpa")
 BF16_UNIT_ROUNDOFF = 2.0 ** -8

@@ -13,6 +13,8 @@ Backend and device are chosen here and nowhere else:
 gloo serves CUDA tensors only in part. When ranks share one GPU over gloo, ``distributed`` tries the
 collectives the labs use on tiny GPU tensors once, right after init; if gloo cannot run one of them there,
 the step runs on the CPU instead and rank 0 says why (``DistEnv.fallback``, also in the result JSON).
+
+``gather_objects`` brings every rank's object to each rank: the course's one way to put per-rank figures together.
 """
 
 from __future__ import annotations
@@ -168,3 +170,13 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistEnv]:
         # them now, so the group's worker threads are joined while the interpreter is alive (see
         # lablib.jobs.processes.end_rank for what happens when they are not).
         gc.collect()
+
+
+def gather_objects(obj, env, group=None) -> list:
+    """[rank 0's obj, rank 1's obj, ...] of ``group`` (default: every rank) on each of its ranks; a
+    one-element list without a process group. The course's one way to bring per-rank figures together."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * (env.world_size if group is None else dist.get_world_size(group))
+    dist.all_gather_object(out, obj, group=group)
+    return out

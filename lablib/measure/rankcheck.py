@@ -34,16 +34,6 @@ class RecordingDataset(Dataset):
         return self.base[i]
 
 
-def gather_objects(obj, env, group=None) -> list:
-    """[rank 0's obj, rank 1's obj, ...] of ``group`` (default: every rank) on each of its ranks; a
-    one-element list without a process group. The course's one way to bring per-rank figures together."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * (env.world_size if group is None else dist.get_world_size(group))
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def shard_report(seen_per_rank: list[list[int]]) -> dict:
     """How many samples each rank loaded, how many distinct, and how many were loaded by two ranks."""
     sets = [set(s) for s in seen_per_rank]

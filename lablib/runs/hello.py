@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lablib.jobs import distenv, processes, script
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ from lablib.course import data, scaling
 from lablib.jobs import script
 from lablib.measure import timing
 from lablib.course.models import MLP
-from lablib.measure.rankcheck import gather_objects, max_abs_diff
+from lablib.measure.rankcheck import max_abs_diff
+from lablib.jobs.distenv import gather_objects
 
 PARTS = ("compute_s", "wait_s", "comm_s", "opt_s")
 EVAL_SAMPLES = 4096   # the loss reported before and after training is measured on the first 4096 samples

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 
 
 def uneven_splits(n: int) -> list[list[int]]:

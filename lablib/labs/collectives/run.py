@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from lablib.measure import counting, timing
 from lablib.jobs import script
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 from lablib.labs.collectives.collective_cases import check_cases, expected_errors, one_rank
 
 # The course's names, in the order the lab teaches them.

@@ -32,7 +32,7 @@ from lablib.labs.context_parallel.cp_model import contiguous_positions
 from lablib.jobs import exercise, script
 from lablib.labs.context_parallel import cp_idle, cp_torch
 from lablib.measure.p2p import CountingComm
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 from lablib.labs.context_parallel import cp_ring, cp_ulysses
 
 EXERCISES = {"ring_forward": ("ring_attention_forward",), "ring_backward": ("ring_attention_backward",),

@@ -41,7 +41,7 @@ from lablib.jobs import script
 from lablib.jobs import config as cfg
 from lablib.jobs.exercise import load_fresh, require_file
 from lablib.course.models import GPT, gpt_config
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 from lablib.labs.ddp_from_scratch.order import buckets_and_usage_map
 
 

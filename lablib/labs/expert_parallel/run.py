@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lablib.jobs import script
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 from lablib.labs.expert_parallel import ep_dispatch, ep_grads
 from lablib.labs.expert_parallel import probes as ep_probes
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DistributedSampler
 
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 
 
 def probe_loader(make_loader, start_epoch, env, seed: int, items_per_rank: int = 40, batch_size: int = 4) -> dict:

@@ -29,8 +29,9 @@ from lablib.measure.counting import count_collectives, count_ddp_models
 from lablib.parallel.activation_checkpointing import apply_activation_checkpointing
 from lablib.jobs.exercise import load_module, require_file
 from lablib.measure.memory import local_tensor
-from lablib.measure.rankcheck import (FP32_UNIT_ROUNDOFF, RecordingDataset, formula_rtol, gather_objects, samples_per_step,
-                              shard_report, weight_spread)
+from lablib.measure.rankcheck import (FP32_UNIT_ROUNDOFF, RecordingDataset, formula_rtol, samples_per_step,
+                                      shard_report, weight_spread)
+from lablib.jobs.distenv import gather_objects
 from lablib.parallel.zero_states import fsdp_rows_per_rank
 from lablib.labs.gpt_migration import training
 from lablib.labs.gpt_migration.probes import fsdp_plan, probe_loader, probe_mean

@@ -24,7 +24,7 @@ from lablib.measure import timing
 from lablib.measure.memory import MemoryTimeline
 from lablib.course.models import GPT, GPTConfig
 from lablib.labs.pipeline_parallel.probe import SMALL, batch, reference
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 
 # name -> (class name in torch.distributed.pipelining, chunks per rank)
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),

@@ -43,7 +43,7 @@ from lablib.jobs import processes, script
 from lablib.measure import timing
 from lablib.jobs.exercise import load_module
 from lablib.measure.p2p import RING_DTYPES as DTYPES, CountingComm, direct_calls, small_integers, summarise
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 
 @dataclass(frozen=True)
 class Config:

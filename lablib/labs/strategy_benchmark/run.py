@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from lablib.jobs.distenv import gather_objects
 from lablib.course import data
 from lablib.course.models import GPT, GPTConfig
 from lablib.jobs import script
@@ -352,8 +353,8 @@ def _row(env, config, row, pieces, impl, batches, timed, reference, rounds) -> d
     except Exception as exc:            # noqa: BLE001 - one broken row must not stop the table
         return {"error": f"{type(exc).__name__}: {exc}"}
     entry = {"source": source, **compare(env, trained["weights"], reference["weights"]),
-             "memory_per_rank": rankcheck.gather_objects(trained["memory"], env),
-             "peak_per_rank": rankcheck.gather_objects(trained["peak"], env), "collectives": trained["collectives"],
+             "memory_per_rank": gather_objects(trained["memory"], env),
+             "peak_per_rank": gather_objects(trained["peak"], env), "collectives": trained["collectives"],
              "collectives_per_step": sum(c["calls"] for c in trained["collectives"].values())}
     del trained["weights"]
     if rounds:

@@ -35,7 +35,8 @@ import torch.nn as nn
 from lablib import checks
 from lablib.course.models import CausalSelfAttention, GPTConfig, MLPBlock
 from lablib.measure import counting
-from lablib.measure.rankcheck import gamma, gather_objects
+from lablib.measure.rankcheck import gamma
+from lablib.jobs.distenv import gather_objects
 from lablib.parallel.tensor_parallel import assembled, contiguous_index, index_by_value
 from lablib.probes.harness import LR, sgd_step_, zero_grad_
 from lablib.labs.tensor_parallel.heads import head_split_problems

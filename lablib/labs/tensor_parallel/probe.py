@@ -28,7 +28,7 @@ from lablib.jobs.exercise import load_fresh
 from lablib.labs.tensor_parallel.f_g import check_f_g, merge_f_g, probe_f_g  # noqa: F401 - the notebook's names
 from lablib.labs.tensor_parallel.heads import check_indivisible, head_split_problems, probe_indivisible  # noqa: F401
 from lablib.labs.tensor_parallel.layers import CLASSES, KINDS, check_layer, probe_layer  # noqa: F401
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 
 COMM_MODULE = "tp_comm_impl"     # exercise 1's file (tp_comm_impl.py); exercises 2 and 3 import f and g from it
 # exercise -> the names its file must define

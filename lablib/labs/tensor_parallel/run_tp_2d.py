@@ -25,7 +25,7 @@ from lablib.jobs import script
 from lablib.parallel import tensor_parallel
 from lablib.probes.harness import sgd_step_, zero_grad_
 from lablib.course.models import GPT, gpt_config
-from lablib.measure.rankcheck import gather_objects
+from lablib.jobs.distenv import gather_objects
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lablib.jobs.distenv import gather_objects
 from lablib.measure import counting, memory, rankcheck, timing
 from lablib.jobs import script
 from lablib.jobs.exercise import load_fresh as load_impl
@@ -277,7 +278,7 @@ def run(env, config: Config) -> dict:
                                         for u in blocks + [n_params - sum(blocks)])}
     for i, variant in enumerate(config.variants):
         mine = train_variant(env, config, variant, steps)
-        result["variants"][variant] = {**mine, "memory_per_rank": rankcheck.gather_objects(mine.pop("memory"), env)}
+        result["variants"][variant] = {**mine, "memory_per_rank": gather_objects(mine.pop("memory"), env)}
         script.progress(env, i + 1, len(config.variants), variant=variant, loss=mine["losses"][-1])
     if {"zero1_yours", "zero1_torch"} <= set(config.variants) and config.rounds > 0:
         result["paired"] = paired_step_times(env, config, steps)

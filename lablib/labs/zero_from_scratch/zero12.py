@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from lablib import checks
 from lablib.measure.collective_log import CollectiveLog
-from lablib.measure.rankcheck import bound_ratio, gather_objects, max_abs_diff, weight_spread
+from lablib.measure.rankcheck import bound_ratio, max_abs_diff, weight_spread
+from lablib.jobs.distenv import gather_objects
 from lablib.probes.harness import default_group
 from lablib.labs.zero_from_scratch.cases import (CASES, CLASSES, LATE_GROUP, LR, WEIGHT_DECAY, batch, build, dtype_of,
                                       error_in_impl, lr_factor, micro_batches, param_groups)

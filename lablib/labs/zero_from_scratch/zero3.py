@@ -32,7 +32,8 @@ import torch.distributed as dist
 from lablib import checks
 from lablib.measure.collective_log import CollectiveLog
 from lablib.measure.memory import unique_storage_bytes
-from lablib.measure.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol, gather_objects
+from lablib.measure.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol
+from lablib.jobs.distenv import gather_objects
 from lablib.probes.harness import default_group
 from lablib.labs.zero_from_scratch.cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, error_in_impl, micro_batches
 from lablib.labs.zero_from_scratch.step_checks import (GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound,

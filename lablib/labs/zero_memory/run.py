@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lablib.jobs.distenv import gather_objects
 from lablib.measure import memory, rankcheck
 from lablib.jobs import script
 from lablib.course.models import GPT
@@ -88,7 +89,7 @@ def run(env, config: Config) -> dict:
     result["first_loss_rtol"] = rankcheck.formula_rtol(tokens + env.world_size, unit_roundoff=rankcheck.FP32_UNIT_ROUNDOFF)
     for variant in config.variants:
         mine = train_variant(env, config, variant, steps)
-        per_rank = rankcheck.gather_objects(mine["memory"], env)   # every rank's counts
+        per_rank = gather_objects(mine["memory"], env)   # every rank's counts
         result["variants"][variant] = {"losses": mine["losses"], "memory_per_rank": per_rank}
         if env.is_main:
             peak = max(r["peak"]["total"] for r in per_rank)
