@@ -266,11 +266,19 @@ class LiveLab:
             raise LabRaised(f"{self.lab}: cannot record the solution's runs: {errors}")
 
     def run_cell(self, index: int, source: str | None = None):
-        cell = copy.deepcopy(self.nb.cells[index])
+        """Execute the notebook's cell ``index`` (with ``source`` instead of its own, when given) and return the
+        executed copy. The notebook keeps its own cell: nbclient stores the cell it executed at its index
+        (nbclient/client.py:1064), so a wrong answer run here would otherwise become the cell that "put the correct
+        answer back" re-runs."""
+        original = self.nb.cells[index]
+        cell = copy.deepcopy(original)
         if source is not None:
             cell.source = source
         cell.outputs = []
-        return self.client.execute_cell(cell, index)
+        try:
+            return self.client.execute_cell(cell, index)
+        finally:
+            self.nb.cells[index] = original
 
     def run_all(self) -> nbformat.NotebookNode:
         """Execute every code cell in order and return the executed notebook (outputs included); raise
@@ -291,7 +299,7 @@ class LiveLab:
         depends on it (``size_dependent_cells``: the cell that sets GRADING, and each later cell that reads a name
         one of them assigned, e.g. a baseline trained for STEPS steps), so that the checks re-run afterwards compare
         with what nbgrader's run compares with. Returns the indices of the cells re-run."""
-        errors = cell_errors(self.client.execute_cell(nbformat.v4.new_code_cell(GRADING_SWITCH), 0))
+        errors = self.in_kernel(GRADING_SWITCH)
         rerun = size_dependent_cells(self.nb)
         if errors or not rerun:
             raise LabRaised(f"{self.lab}: cannot switch to grading sizes ({errors or 'no cell sets GRADING'})")

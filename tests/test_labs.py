@@ -136,3 +136,28 @@ def test_solution_full_marks_and_release_zero(lab, tmp_path, record_property):
     assert (course_dir / "feedback" / "solution" / lab / f"{lab}.html").is_file(), "no feedback HTML generated"
     executed = course_dir / "autograded" / "solution" / lab / f"{lab}.ipynb"
     assert executed.is_file(), f"nbgrader left no autograded notebook at {executed}"
+
+
+def test_a_live_lab_puts_the_correct_answer_back_after_a_wrong_one(tmp_path, monkeypatch):
+    """nbclient stores each cell it executes at its index (nbclient/client.py:1064): a wrong answer run in a LiveLab
+    must not become the notebook's cell, or "put the correct answer back" re-runs the wrong one and the next
+    exercise's checks run beside it (its wrong answers then lose points for the earlier mistake)."""
+    import nbformat
+
+    lab = "99_restore"
+    answer = nbformat.v4.new_code_cell("def f():\n    return 1\n",
+                                       metadata={"nbgrader": {"grade_id": "f", "solution": True, "grade": False}})
+    check = nbformat.v4.new_code_cell("assert f() == 1, 'f is wrong'\n",
+                                      metadata={"nbgrader": {"grade_id": "test_f", "grade": True, "points": 1,
+                                                             "solution": False, "locked": True}})
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# a lab"), answer, check])
+    (tmp_path / "solutions" / lab).mkdir(parents=True)
+    nbformat.write(nb, tmp_path / "solutions" / lab / f"{lab}.ipynb")
+    monkeypatch.setattr(labkit, "SOLUTIONS", tmp_path / "solutions")
+    with labkit.LiveLab(lab, tmp_path / "work") as live:
+        live.run_all()
+        wrong = live.try_wrong_answer("f", "returns 2", "def f():\n    return 2\n")
+        assert wrong.points_lost == 1, wrong
+        assert live.nb.cells[1].source == answer.source and live.nb.cells[0].cell_type == "markdown"
+        assert live.in_kernel("assert f() == 1") == [], "the wrong answer stayed defined after the check"
+        assert live.nb.cells[0].cell_type == "markdown"
