@@ -11,14 +11,20 @@ The world sizes take turns step by step - step 0 at N=1, then at N=2, then at N=
 a burst of load from another program on a shared machine slows all of them alike, and the processes
 start once instead of once per world size (torchrun's start-up is seconds on a small machine).
 
-At each N an MLP is trained twice from the same initial weights on the same synthetic data (see
-``lablib.course.scaling`` for why), again taking turns step by step:
+At each N an MLP is trained three times from the same initial weights on the same synthetic data (see
+``lablib.course.scaling`` for why), again taking turns step by step, in an order that rotates from step to step
+(explicit, DDP, again; then DDP, again, explicit; ...) so that no variant always runs first:
 - ``explicit``: plain model; forward+backward, then ONE explicit all-reduce of all gradients, then the
   optimizer step, each timed on its own (compute / wait / comm / opt), with a barrier before each;
 - ``ddp``: DistributedDataParallel (bucketed all-reduces overlapped with the backward), timed per step;
   a communication hook (``scaling.BucketTimer``) records when each bucket's all-reduce ran, so the
-  overlap with the backward is seen, not assumed.
-The first ``warmup_steps`` steps are not timed. Every per-step time is the slowest rank's; the result
+  overlap with the backward is seen, not assumed (its Python hook also costs a little per bucket, which the
+  step times include);
+- ``again``: the explicit variant a second time, on a model of its own: the same code timed against itself, in the
+  same rounds, is the noise floor a DDP / explicit ratio is read against (``timing.noise_verdict``).
+Each rank also records the CPU time it used during the compute (``compute_cpu_s``, ``time.thread_time``: with one thread per rank the forward and the backward run on the calling thread):
+the work, which shrinks as 1/N whatever the machine does, beside the wall time, which also shows how much of a core
+the rank got. The first ``warmup_steps`` steps are not timed. Every per-step time is the slowest rank's; the result
 holds their medians (see ``explicit_step`` for how compute, wait and step relate), and every rank's own
 times per step (``per_rank``, for a timeline). Rank 0, a member of every group, also reports how far the weights trained at each
 N are from those trained by one process: float rounding only (the same math, split differently).
@@ -27,6 +33,7 @@ Start it with 1 thread per rank (``launch.run(..., threads_per_rank=1)`` does) s
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +50,8 @@ from lablib.course.models import MLP
 from lablib.measure.rankcheck import max_abs_diff
 from lablib.jobs.distenv import gather_objects
 
-PARTS = ("compute_s", "wait_s", "comm_s", "opt_s")
+PARTS = ("compute_s", "wait_s", "comm_s", "opt_s", "compute_cpu_s")
+VARIANTS = ("explicit", "ddp", "again")
 EVAL_SAMPLES = 4096   # the loss reported before and after training is measured on the first 4096 samples
 
 
@@ -97,8 +105,12 @@ class Replica:
     ddp: torch.nn.Module
     opt_plain: torch.optim.Optimizer
     opt_ddp: torch.optim.Optimizer
+    again: torch.nn.Module                             # the explicit variant once more: the noise floor
+    opt_again: torch.optim.Optimizer
     parts: dict = field(default_factory=lambda: {k: [] for k in PARTS})
     step_times: list = field(default_factory=list)     # the explicit step as a whole, this rank
+    again_times: list = field(default_factory=list)    # the same, for the second explicit model
+    again_parts: dict = field(default_factory=lambda: {k: [] for k in PARTS})
     ddp_times: list = field(default_factory=list)
     ddp_spans: list = field(default_factory=list)      # per step: this rank's DDP timeline (seconds from step start)
     timer: object = None                               # scaling.BucketTimer registered on ddp (None without torchrun)
@@ -132,27 +144,42 @@ def new_replica(env, config: Config, world_size: int, group) -> Replica:
         ddp = DDP(ddp, process_group=group, bucket_cap_mb=config.bucket_cap_mb or None)
         timer = scaling.BucketTimer(group)
         ddp.register_comm_hook(timer, scaling.BucketTimer.hook)
+    again = new_model(config, env.device)
     return Replica(world_size, group, plain, ddp, torch.optim.SGD(plain.parameters(), lr=config.lr),
-                   torch.optim.SGD(ddp.parameters(), lr=config.lr), timer=timer)
+                   torch.optim.SGD(ddp.parameters(), lr=config.lr), again,
+                   torch.optim.SGD(again.parameters(), lr=config.lr), timer=timer)
 
 
-def explicit_step(env, r: Replica, xb, yb) -> None:
+def rotation(step: int) -> tuple[str, ...]:
+    """The order the three variants run in at ``step``: rotated by one each step, so each runs first, second and
+    third equally often over every three steps (a variant that always ran first would always meet the load or the
+    cache state the previous world size left)."""
+    k = step % len(VARIANTS)
+    return VARIANTS[k:] + VARIANTS[:k]
+
+
+def explicit_step(env, r: Replica, xb, yb, again: bool = False) -> None:
     """No overlap: compute, then one all-reduce, then the optimizer step, each timed on its own.
 
     On every rank compute + wait is the same time, the slowest rank's compute (the fast ranks wait for
     it at the barrier), so the step is (slowest compute) + comm + opt; ``wait`` shows the imbalance.
+    ``again``: the same step on the second explicit model (the noise floor), into its own lists.
     """
-    r.opt_plain.zero_grad(set_to_none=True)
+    model, opt = (r.again, r.opt_again) if again else (r.plain, r.opt_plain)
+    parts, times = (r.again_parts, r.again_times) if again else (r.parts, r.step_times)
+    opt.zero_grad(set_to_none=True)
     timing.barrier(env.device, r.group)
-    with timing.stopwatch(r.step_times, env.device):
-        with timing.stopwatch(r.parts["compute_s"], env.device):
-            F.mse_loss(r.plain(xb), yb).backward()
-        with timing.stopwatch(r.parts["wait_s"], env.device):
+    with timing.stopwatch(times, env.device):
+        cpu = time.thread_time()
+        with timing.stopwatch(parts["compute_s"], env.device):
+            F.mse_loss(model(xb), yb).backward()
+        parts["compute_cpu_s"].append(time.thread_time() - cpu)
+        with timing.stopwatch(parts["wait_s"], env.device):
             timing.barrier(env.device, r.group)   # the slowest rank's compute decides when comm can start
-        with timing.stopwatch(r.parts["comm_s"], env.device):
-            r.comm_bytes = scaling.allreduce_gradients_(list(r.plain.parameters()), r.group)
-        with timing.stopwatch(r.parts["opt_s"], env.device):
-            r.opt_plain.step()
+        with timing.stopwatch(parts["comm_s"], env.device):
+            r.comm_bytes = scaling.allreduce_gradients_(list(model.parameters()), r.group)
+        with timing.stopwatch(parts["opt_s"], env.device):
+            opt.step()
 
 
 def ddp_step(env, r: Replica, xb, yb) -> None:
@@ -189,6 +216,7 @@ def summarize(env, r: Replica, config: Config) -> dict:
                          **timing.step_times(r.step_times, env.device, r.group, warmup=w), **timed},
             "ddp": {**timing.step_times(r.ddp_times, env.device, r.group, warmup=w),
                     "bucket_bytes": [b[2] for b in sorted(last, key=lambda b: b[3])]},   # by bucket index
+            "again": timing.step_times(r.again_times, env.device, r.group, warmup=w),
             "per_rank": per_rank, "comm_bytes": r.comm_bytes}
 
 
@@ -206,16 +234,21 @@ def run(env, config: Config) -> dict:
     mine = {n: new_replica(env, config, n, groups[n]) for n in sorted(config.world_sizes, reverse=True) if env.rank < n}
     mine = {n: mine[n] for n in config.world_sizes if n in mine}     # back to the order they take turns in
     steps = config.samples // config.global_batch
+    load = [os.getloadavg()[0]]
     for step in range(steps):
         for n, r in mine.items():   # world sizes take turns; ranks outside group n go on and wait at its next barrier
             xb, yb = rank_batch(x, y, step, config, env.rank, n)
-            explicit_step(env, r, xb, yb)
-            ddp_step(env, r, xb, yb)
+            variants = {"explicit": lambda: explicit_step(env, r, xb, yb), "ddp": lambda: ddp_step(env, r, xb, yb),
+                        "again": lambda: explicit_step(env, r, xb, yb, again=True)}
+            for name in rotation(step):
+                variants[name]()
         script.progress(env, step + 1, steps)
+    load.append(os.getloadavg()[0])
     by_world_size = {n: summarize(env, r, config) for n, r in mine.items()}
     result = {"by_world_size": by_world_size, "processes": env.world_size,
               "threads_per_rank": torch.get_num_threads(), "steps": steps,
-              "timed_steps": steps - config.warmup_steps}
+              "timed_steps": steps - config.warmup_steps, "load_1min": load, "cores": os.cpu_count(),
+              "order": [list(rotation(s)) for s in range(config.warmup_steps, steps)]}
     if env.is_main:
         # Rank 0 is in every group, so it holds the weights trained at every world size: compare them.
         x_eval, y_eval = x[:EVAL_SAMPLES], y[:EVAL_SAMPLES]
@@ -229,6 +262,7 @@ def run(env, config: Config) -> dict:
             m["final_loss_explicit"] = full_loss(r.plain, x_eval, y_eval)
             m["final_loss_ddp"] = full_loss(ddp_module, x_eval, y_eval)
             m["max_abs_diff_explicit_vs_ddp"] = max_abs_diff(r.plain, ddp_module)
+            m["max_abs_diff_again_vs_explicit"] = max_abs_diff(r.again, r.plain)   # the same code: 0
             m["max_abs_diff_vs_smallest_world_size"] = max(max_abs_diff(r.plain, reference),
                                                            max_abs_diff(ddp_module, reference))
             e = m["explicit"]

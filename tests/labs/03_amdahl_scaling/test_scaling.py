@@ -69,12 +69,18 @@ def test_world_sizes_one_and_two_in_one_job_give_the_same_training():
     run = result["metrics"]
     assert run["processes"] == 2 and run["threads_per_rank"] == 1
     assert sorted(run["by_world_size"]) == [1, 2]                   # world sizes come back as ints
+    # Every variant runs first, second and third in turn.
+    assert run["order"][:3] == [["ddp", "again", "explicit"], ["again", "explicit", "ddp"], ["explicit", "ddp", "again"]]
     one, two = run["by_world_size"][1], run["by_world_size"][2]
     for m in (one, two):
         # The explicit all-reduce averages exactly what DDP averages.
         assert m["max_abs_diff_explicit_vs_ddp"] <= 1e-6
         assert m["final_loss_ddp"] < run["initial_loss"]
         assert len(m["explicit"]["step_s"]) == len(m["ddp"]["step_s"]) == run["timed_steps"] == 512 // 64 - 1
+        # The noise floor's arm is the explicit step once more: the same training, bit for bit, timed as often.
+        assert m["max_abs_diff_again_vs_explicit"] == 0.0 and len(m["again"]["step_s"]) == run["timed_steps"]
+        # The work a rank did (CPU seconds) is no more than the wall time it took, plus the clocks' resolution.
+        assert all(cpu <= wall + 1e-3 for cpu, wall in zip(m["explicit"]["compute_cpu_s"], m["explicit"]["compute_s"]))
         for part in ("compute", "wait", "comm", "opt", "step"):   # each median is lablib.measure.timing's, of its steps
             assert m["explicit"][f"median_{part}_s"] == timing.median(m["explicit"][f"{part}_s"])
         # A step is at least the slowest rank's compute + comm + opt. It can be longer than all four parts'
