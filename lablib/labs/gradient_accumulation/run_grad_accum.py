@@ -133,15 +133,19 @@ def train_arms(env, config: Config, step_fn) -> tuple[dict, dict]:
     return metrics, {name: model.module for name, model in models.items()}
 
 
-def paired_rounds(metrics: dict) -> dict:
+def paired_rounds(metrics: dict, accum_steps: int) -> dict:
     """Per timed step (a round: the three arms one after another), syncing every micro-batch against no_sync, and
     no_sync run again against no_sync (the noise floor), each the slowest rank's time; their medians and ranges, and
-    whether this run tells the two apart (``timing.noise_verdict``: the rounds beyond every floor round)."""
+    whether this run tells the two apart (``timing.noise_verdict``: the rounds beyond every floor round).
+    ``saved_per_allreduce_s``: per round, the time no_sync saved divided by the K - 1 syncs it avoided (what one
+    avoided sync cost in that round; its range says how well one run pins it down)."""
     every, once, again = (metrics[name]["step_s"] for name in ("sync_every", "no_sync", "no_sync_again"))
     ratio = [a / b for a, b in zip(every, once)]
     floor = [a / b for a, b in zip(again, once)]
+    saved = [(a - b) / (accum_steps - 1) for a, b in zip(every, once)] if accum_steps > 1 else []
     return {"ratio": ratio, "floor": floor, "median_ratio": timing.median(ratio),
-            "median_floor": timing.median(floor), "verdict": timing.noise_verdict(ratio, floor, comparisons=1)}
+            "median_floor": timing.median(floor), "verdict": timing.noise_verdict(ratio, floor, comparisons=1),
+            "saved_per_allreduce_s": saved}
 
 
 def reference_weights(config: Config, world_size: int, device) -> tuple[torch.nn.Module, float]:
@@ -165,7 +169,7 @@ def run(env, config: Config) -> dict:
     for name, model in models.items():
         result[name]["weight_spread_across_ranks"] = weight_spread(model, env)
     model = models["no_sync"]
-    result["rounds"] = paired_rounds(result)
+    result["rounds"] = paired_rounds(result, config.accum_steps)
     if env.is_main:
         reference, max_grad = reference_weights(config, env.world_size, env.device)
         result["max_abs_diff_vs_single_process"] = max_abs_diff(model, reference)
