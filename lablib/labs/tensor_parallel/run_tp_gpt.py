@@ -12,9 +12,12 @@
 
 DTensor's collectives are counted with ``torch.distributed.tensor.debug.CommDebugMode`` (and their message
 bytes with ``lablib.measure.counting``, which sees functional collectives too); the activation bytes each rank
-saves for the backward in the first forward with ``lablib.measure.memory.SavedActivations``. Then each variant
-runs ``timed_steps`` more steps uninstrumented, each after a barrier, timed with ``lablib.measure.timing``
-(the slowest rank's step, median over the steps).
+saves for the backward in the first forward with ``lablib.measure.memory.SavedActivations``. Then the variants are
+timed in ``timed_steps`` rounds: in each round every variant runs one more step, uninstrumented, after a barrier
+(the slowest rank's step, ``lablib.measure.timing``), in an order that rotates from round to round, so a burst of
+load falls on all of them alike and none always runs first; ``by_hand`` is timed twice in each round (the second
+time as ``floor_step_s``): the same code against itself, the noise floor any two variants' per-round ratio is read
+against. The first round is a warm-up, left out.
 
     torchrun --standalone --nproc-per-node 2 -m lablib.labs.tensor_parallel.run_tp_gpt --mlp-impl tp_mlp_impl.py \\
         --attention-impl tp_attention_impl.py --steps 3 --out out.json
@@ -57,7 +60,7 @@ class Config:
     batch_size: int = 8
     steps: int = 3
     pad_vocab: bool = True                         # vocabulary padded to a multiple of the ranks (Megatron's way)
-    timed_steps: int = 4                           # uninstrumented steps per variant, timed (the first left out)
+    timed_steps: int = 9                           # rounds of one uninstrumented step per variant (the first left out)
     lr: float = 0.1
     seed: int = 0
 
@@ -84,19 +87,27 @@ def _rows_per_rank(rows: int, mesh) -> list[int]:
     return sizes
 
 
-def _timed(model, batches, loss_context, config: Config, env) -> dict:
-    """``timed_steps`` uninstrumented SGD steps (forward, backward, update), each started after a barrier: the
-    job's step time by ``lablib.measure.timing``'s one definition (slowest rank, median; the first step left out)."""
-    per_step: list[float] = []
-    for step in range(config.timed_steps):
-        x, y = batches[step % len(batches)]
-        timing.barrier(env.device)
-        with timing.stopwatch(per_step, env.device), loss_context():
-            zero_grad_(model.parameters())
-            _, loss = model(x, y)
-            loss.backward()
-            sgd_step_(model.parameters(), config.lr)
-    return timing.step_times(per_step, env.device, warmup=1)
+FLOOR = "by_hand"     # the variant timed twice in each round: the noise floor
+
+
+def _timed_rounds(variants: dict, batches, loss_contexts: dict, config: Config, env) -> dict:
+    """``timed_steps`` rounds; in each, every variant one uninstrumented SGD step (forward, backward, update) after a
+    barrier, the order rotated by one each round, and ``FLOOR`` a second time (key ``"floor"``). Returns each arm's
+    step times by ``lablib.measure.timing``'s one definition (slowest rank, median; the first round left out)."""
+    arms = list(variants) + ["floor"]
+    per_step: dict[str, list[float]] = {arm: [] for arm in arms}
+    for r in range(config.timed_steps):
+        x, y = batches[r % len(batches)]
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            name = FLOOR if arm == "floor" else arm
+            model = variants[name]
+            timing.barrier(env.device)
+            with timing.stopwatch(per_step[arm], env.device), loss_contexts[name]():
+                zero_grad_(model.parameters())
+                _, loss = model(x, y)
+                loss.backward()
+                sgd_step_(model.parameters(), config.lr)
+    return {arm: timing.step_times(times, env.device, warmup=1) for arm, times in per_step.items()}
 
 
 def run(env, config: Config) -> dict:
@@ -174,11 +185,15 @@ def run(env, config: Config) -> dict:
                     out["grad_max_diff"][name] = max((grads[k] - reference[k]).abs().max().item() for k in reference)
             sgd_step_(model.parameters(), config.lr)
         out["losses"][name] = losses
-        timed = _timed(model, batches, loss_context, config, env)
-        out["median_step_s"][name], out["step_s"][name] = timed["median_step_s"], timed["step_s"]
         if name != "single":
             out["comm"][name] = comm
-        script.progress(env, list(variants).index(name) + 1, len(variants))
+        script.progress(env, list(variants).index(name) + 1, len(variants) + 1)
+    contexts = {name: loss_parallel if name == "dtensor" else contextlib.nullcontext for name in variants}
+    timed = _timed_rounds(variants, batches, contexts, config, env)
+    for name in variants:
+        out["median_step_s"][name], out["step_s"][name] = timed[name]["median_step_s"], timed[name]["step_s"]
+    out["floor_step_s"], out["floor_variant"] = timed["floor"]["step_s"], FLOOR
+    script.progress(env, len(variants) + 1, len(variants) + 1)
     return out
 
 
