@@ -60,7 +60,8 @@ class Config:
     variants: tuple[str, ...] = VARIANTS
     steps: int = 4                      # AdamW steps per variant; bytes and collectives from the last one
     warmup: int = 1                     # steps left out of the step time
-    rounds: int = 6                     # paired timing of the two ZeRO-1s and a self pair: rounds of turns, 3 steps each
+    rounds: int = 12                    # paired timing of the two ZeRO-1s and a self pair: rounds of turns
+    round_steps: int = 2                # steps of each arm per round (the round's time for it: their median)
     timeline: bool = True               # one more step per variant, memory sampled at every module boundary
 
     def validate(self) -> None:
@@ -69,6 +70,9 @@ class Config:
             raise ValueError(f"variants={self.variants!r}: unknown {unknown}; choose from {', '.join(VARIANTS)}")
         if self.steps < 2 or not 0 <= self.warmup < self.steps:
             raise ValueError(f"steps={self.steps} (at least 2) and warmup={self.warmup} (fewer than steps)")
+        if not 1 <= self.round_steps <= self.steps or self.rounds < 0:
+            raise ValueError(f"round_steps={self.round_steps} must lie in 1..steps={self.steps} (each round reuses the "
+                             f"first batches) and rounds={self.rounds} must be at least 0")
         for v, path in (("zero1_yours", self.zero1_impl), ("zero2_yours", self.zero2_impl),
                         ("zero3_yours", self.zero3_impl)):
             if v in self.variants:
@@ -169,10 +173,10 @@ def one_step(s: "_Stepper", env, x, y) -> torch.Tensor:
 
 def paired_step_times(env, config: Config, steps) -> dict:
     """Your ShardedOptimizer, ZeroRedundancyOptimizer and a second ShardedOptimizer (the noise floor: a strategy
-    timed against itself) taking turns, 3 steps each per round, the order rotating by round; per round the ratios of
-    the medians (each step the slowest rank's), then the median of each ratio over the rounds and its range: a burst
-    of load from another program slows all of a round alike, and the self ratio shows how far apart two identical
-    sides land anyway."""
+    timed against itself) taking turns, ``round_steps`` steps each per round, the order rotating by round; per round
+    the ratios of the medians (each step the slowest rank's), then the median of each ratio over the rounds and its
+    range, and ``timing.noise_verdict``'s reading of the ratios against the self ratios (a verdict only when enough
+    rounds lie beyond every self-ratio round that noise alone would print one less than 5 % of the time)."""
     trio = {"zero1_yours": _Stepper(env, config, "zero1_yours"), "zero1_torch": _Stepper(env, config, "zero1_torch"),
             "zero1_yours_again": _Stepper(env, config, "zero1_yours")}
     for s in trio.values():                    # warm-up: the first step builds buckets and optimizer state
@@ -184,7 +188,7 @@ def paired_step_times(env, config: Config, steps) -> dict:
         times = {}
         for v in order:
             per_step = []
-            for x, y in steps[:3]:
+            for x, y in steps[:config.round_steps]:
                 timing.barrier(env.device)
                 with timing.stopwatch(per_step, env.device):
                     one_step(trio[v], env, x, y)
@@ -193,7 +197,8 @@ def paired_step_times(env, config: Config, steps) -> dict:
                        "self_ratio": times["zero1_yours"] / times["zero1_yours_again"]})
     ratios, selfs = [r["ratio"] for r in rounds], [r["self_ratio"] for r in rounds]
     return {"rounds": rounds, "median_ratio": timing.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-            "median_self_ratio": timing.median(selfs), "self_ratio_range": [min(selfs), max(selfs)]}
+            "median_self_ratio": timing.median(selfs), "self_ratio_range": [min(selfs), max(selfs)],
+            "verdict": timing.noise_verdict(ratios, selfs, comparisons=1)}
 
 
 def train_variant(env, config: Config, variant: str, steps) -> dict:
