@@ -105,6 +105,29 @@ def _ex(lab, name, traits=(), value_answer=False, **opt_out) -> Exercise:
 
 # Every routed exercise, with its traits and opt-outs (the reasons are printed in the instructor's report).
 _TABLE = [
+    # --- lab 00 ---
+    _ex("00_collectives", "predict",
+        steps="four pure functions of the tensors they are given: nothing is kept between calls, so each of the "
+              "hidden cases (three world sizes, nine cases each) is already a fresh step"),
+    _ex("00_collectives", "job_setup", ("communication", "topology"),
+        steps="the graded torchrun job already calls run_job one scenario after another in each rank's process (ok "
+              "and error on 2 ranks, then on 3: four times on ranks 0 and 1, twice on rank 2), set-up to tear-down "
+              "each time, then setup_distributed on five simulated machines, and checks every one",
+        readiness="its only collectives are init_process_group's rendezvous and one barrier between the save and the "
+                  "loads: no set of tensors whose readiness order it could depend on; the order that matters (save, "
+                  "barrier, load) is forced by a slow file system in every torchrun scenario"),
+    _ex("00_collectives", "fix_script", ("gradients", "communication"),
+        inputs="a whole script run as __main__ under torchrun: no caller passes it anything; its data, model and "
+               "steps are fixed, and its weights are checked against the same training in one process",
+        aliasing="the script returns nothing: what it leaves is each rank's printed step count and weight checksum, "
+                 "checked on every rank",
+        steps="the graded torchrun run drives it through all its steps (9, to rank 0's stop) and checks every rank's "
+              "collectives, in order, against rank 0's, and the weights after the last step",
+        gradients="the script owns its training loop, zero_grad included (copied from the given script): no caller "
+                  "leaves gradients for it",
+        readiness="it issues its all-reduces itself, one per parameter in registration order, not from a reducer "
+                  "that reacts to autograd; the check compares every rank's sequence of collectives with rank 0's"),
+    _ex("00_collectives", "tool_answer", value_answer=True),
     _ex("01_gradient_accumulation", "accumulation_step", ("gradients", "communication"),
         readiness="the answer only chooses when DDP's reducer syncs (no_sync); it launches no collective itself, "
                   "and the hidden 3-rank torchrun run counts the reducer's all-reduces"),

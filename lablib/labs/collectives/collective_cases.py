@@ -10,6 +10,9 @@ import torch.distributed as dist
 
 from lablib.jobs.distenv import gather_objects
 
+# The barrier's rounds: delayed (rank r arrives r x delay_s late) and simultaneous, in A B B A A B order.
+BARRIER_ROUNDS = 6
+
 
 def uneven_splits(n: int) -> list[list[int]]:
     """splits[r][s]: how many elements rank r sends to rank s in the uneven all_to_all (1 or 2)."""
@@ -73,12 +76,21 @@ def one_rank(name: str, rank: int, n: int, numel: int, group, delay_s: float):
             dist.recv(out, src=rank - 1, group=group)
         return x, out, {"pairs": [[r, r + 1] for r in range(0, n - 1, 2)]}
     if name == "barrier":
-        dist.barrier(group=group)
-        t0 = time.time()
-        time.sleep(rank * delay_s)
-        arrived = time.time() - t0
-        dist.barrier(group=group)
-        return x, x.clone(), {"arrived_s": arrived, "left_s": time.time() - t0}
+        # BARRIER_ROUNDS rounds: in the delayed ones (A B B A order) rank r sleeps r x delay_s before the barrier;
+        # in the others every rank arrives at once (the same barrier: its exit spread is the floor to read against).
+        # Times on the machine's wall clock (time.time(), one clock for every process), in seconds.
+        rounds = []
+        for k in range(BARRIER_ROUNDS):
+            delayed = k % 4 in (0, 3)
+            dist.barrier(group=group)
+            start = time.time()
+            time.sleep(rank * delay_s if delayed else 0.0)
+            arrived = time.time()
+            dist.barrier(group=group)
+            rounds.append({"delayed": delayed, "start": start, "arrived": arrived, "left": time.time()})
+        first = rounds[0]
+        return x, x.clone(), {"arrived_s": first["arrived"] - first["start"], "left_s": first["left"] - first["start"],
+                              "rounds": rounds}
     raise ValueError(f"unknown collective {name!r}")
 
 

@@ -24,9 +24,12 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
   write-like system call of the process, gloo's socket sends included), divided by S. What gloo moves, next
   to what the algorithm needs (``lablib.measure.counting``'s bus factor). None where there is no ``/proc``.
 - benchmark (``bench_bytes``, message sizes S in bytes, float32): each collective on the first
-  ``bench_ranks`` ranks, interleaved, ``repeats`` times after a warm-up; a repetition's time is the slowest
-  rank's (``lablib.measure.timing``). Ranks outside the timed group wait in a barrier (on gloo a waiting rank
-  sleeps in a socket read, it does not spin).
+  ``bench_ranks`` ranks, taking turns within a round (forward order in even rounds, reversed in odd ones:
+  A B .. B A), ``repeats`` rounds after a warm-up round; a round's time is the slowest rank's
+  (``lablib.measure.timing``). ``all_reduce_again`` is the all-reduce timed a second time in every round: the
+  same code against itself, the noise floor any comparison of two collectives is read against. Per collective
+  and size: the median and every round's time (``step_s``). Ranks outside the timed group wait in a barrier
+  (on gloo a waiting rank sleeps in a socket read, it does not spin).
 
 The tensors live on the CPU and travel through gloo on every machine (a gloo group is made next to an
 NCCL default group): the lab is about gloo's behaviour, and one backend keeps the numbers comparable.
@@ -51,6 +54,9 @@ from lablib.labs.collectives.collective_cases import check_cases, expected_error
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",
                "gather", "send_recv", "barrier")
 TIMED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
+# The benchmark's arms: the collectives, and the all-reduce once more (the noise floor: the same code, timed again).
+FLOOR = "all_reduce_again"
+ARMS = (*TIMED, FLOOR)
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class Config:
     per_rank: int = 1                       # a rank's tensor holds per_rank x world_size elements
     bench_bytes: tuple[int, ...] = ()       # message sizes S to time (empty: no benchmark)
     bench_ranks: int = 2                    # ranks in the timed group
-    repeats: int = 5                        # timed repetitions per size and collective
+    repeats: int = 8                        # timed rounds per size (even: as many A B as B A orders)
     barrier_delay_s: float = 0.05           # rank r reaches the barrier r x this late
     wire_bytes: int = 0                     # message size S for counting the bytes gloo really sends (0: no)
     check_inputs: str = ""                  # a JSON file of exercise 1's check cases (see above); "": none
@@ -131,6 +137,7 @@ def pictures(env, config: Config, world_size: int, default_group) -> dict | None
             if name == "barrier":
                 result[name]["arrived_s"] = [r["extra"]["arrived_s"] for r in per_rank]
                 result[name]["left_s"] = [r["extra"]["left_s"] for r in per_rank]
+                result[name]["rounds"] = [r["extra"]["rounds"] for r in per_rank]     # [rank][round]
     errors = expected_errors(env.rank, world_size, sub) if member else None
     gathered = gather_objects(errors, env, group=default_group)
     sent = wire(env.rank, world_size, config.wire_bytes, sub) if member and config.wire_bytes else None
@@ -144,7 +151,7 @@ def pictures(env, config: Config, world_size: int, default_group) -> dict | None
 
 
 def timed_call(name: str, x: torch.Tensor, out: dict, n: int, group) -> None:
-    if name == "all_reduce":
+    if name in ("all_reduce", FLOOR):
         dist.all_reduce(x, group=group)
     elif name == "all_gather":                        # S = the gathered output, n x the input
         dist.all_gather_single(out["all_gather"], x[: x.numel() // n], group=group)
@@ -159,19 +166,20 @@ def timed_call(name: str, x: torch.Tensor, out: dict, n: int, group) -> None:
 
 
 def benchmark(env, config: Config) -> dict | None:
-    """Median time (slowest rank) of each collective for each message size S on the first bench_ranks ranks."""
+    """Each collective's time (slowest rank) per round and its median, for each message size S, on the first
+    bench_ranks ranks; the arms take turns, A B .. in even rounds and .. B A in odd ones."""
     n = config.bench_ranks
     group = dist.new_group(list(range(n)), backend="gloo")
-    result = {name: {"median_s": [], "bus_bytes": []} for name in TIMED}
+    result = {name: {"median_s": [], "step_s": [], "bus_bytes": [], "bytes": []} for name in ARMS}
     if env.rank < n:
         for k, n_bytes in enumerate(config.bench_bytes):
             numel = n_bytes // 4 // n * n              # divisible by n: reduce_scatter and all_to_all split it
             x = torch.randn(numel)
             out = {"all_gather": torch.empty(numel), "reduce_scatter": torch.empty(numel // n),
                    "all_to_all": torch.empty(numel)}
-            times = {name: [] for name in TIMED}
-            for rep in range(config.repeats + 1):      # repetition 0 is a warm-up
-                for name in TIMED:                      # interleaved: every collective sees the same noise
+            times = {name: [] for name in ARMS}
+            for rep in range(config.repeats + 1):      # round 0 is a warm-up
+                for name in ARMS if rep % 2 else ARMS[::-1]:   # the timed rounds alternate A B .. and .. B A
                     buf = x.clone()
                     timing.barrier(torch.device("cpu"), group=group)
                     with counting.count_collectives() as log, timing.stopwatch(times[name], torch.device("cpu")):
@@ -179,16 +187,18 @@ def benchmark(env, config: Config) -> dict | None:
                     if rep == 0:
                         times[name].clear()
                         result[name]["bus_bytes"].append(log.calls[0].bus_bytes)
-                        result[name].setdefault("bytes", []).append(log.calls[0].bytes)
-            for name in TIMED:
-                result[name]["median_s"].append(
-                    timing.step_times(times[name], torch.device("cpu"), group=group)["median_step_s"])
+                        result[name]["bytes"].append(log.calls[0].bytes)
+            for name in ARMS:
+                slowest = timing.step_times(times[name], torch.device("cpu"), group=group)
+                result[name]["median_s"].append(slowest["median_step_s"])
+                result[name]["step_s"].append(slowest["step_s"])
             if env.rank == 0:
                 script.progress(env, k + 1, len(config.bench_bytes), MB=n_bytes / 1e6)
     dist.barrier()                                     # the ranks outside the timed group wait here
     if not env.is_main:
         return None
     return {"world_size": n, "n_bytes": [n_bytes // 4 // n * n * 4 for n_bytes in config.bench_bytes],
+            "repeats": config.repeats, "floor": FLOOR,
             "bus_factor": {name: counting.bus_factor(name, n) for name in TIMED}, **result}
 
 
@@ -217,8 +227,8 @@ def run(env, config: Config) -> dict:
         bench = benchmark(env, config)
         if env.is_main:
             result["bench"] = bench
-            print(f"timed {len(TIMED)} collectives on {config.bench_ranks} ranks for {len(config.bench_bytes)} "
-                  f"message sizes, {config.repeats} repetitions each")
+            print(f"timed {len(TIMED)} collectives (and the all-reduce again, the noise floor) on {config.bench_ranks} "
+                  f"ranks for {len(config.bench_bytes)} message sizes, {config.repeats} rounds each")
     return result
 
 

@@ -247,6 +247,39 @@ def predict_all_reduce(inputs):
          _PREDICT_REST.replace("pieces = [torch.split(x, list(row)) for x, row in zip(inputs, splits)]",
                                "pieces = [torch.split(x, [splits[r][s] for r in range(n)]) for s, x in enumerate(inputs)]")
          + _ALL_REDUCE + _ALL_GATHER + _REDUCE_SCATTER),
+        # issue 42, kind "aliasing" (instructor/hidden_kinds.py): right values, one tensor object for all n ranks, so a
+        # rank that writes into its result changes every rank's; it kept full marks before the hidden cell went through
+        # hk.call (the check looked only for memory shared with the inputs)
+        ("all_reduce returns the same tensor object for every rank ([total] * n)", _PREDICT_REST + _ALL_GATHER
+         + _REDUCE_SCATTER + '''
+
+def predict_all_reduce(inputs):
+    _same_shapes(inputs, "all_reduce")
+    total = torch.stack(inputs).sum(0)
+    return [total] * len(inputs)
+'''),
+        # issue 42, kind "inputs": the caller's splits emptied in place; it kept full marks before (the check passed a
+        # fresh copy of the splits and never looked at them afterwards)
+        ("all_to_all pops each rank's split sizes off the caller's splits lists while handing out its rows",
+         _PREDICT_REST.split("def predict_all_to_all")[0] + _ALL_REDUCE + _ALL_GATHER + _REDUCE_SCATTER + '''
+
+def predict_all_to_all(inputs, splits=None):
+    n = len(inputs)
+    if splits is None:
+        if any(x.shape[0] % n for x in inputs):
+            raise ValueError("rows do not split evenly")
+        splits = [[x.shape[0] // n] * n for x in inputs]
+    if len(splits) != n or any(len(row) != n or sum(row) != x.shape[0] for row, x in zip(splits, inputs)):
+        raise ValueError(f"bad splits {splits}")
+    received = [[] for _ in range(n)]
+    for x, row in zip(inputs, splits):
+        start, r = 0, 0
+        while row:                                  # hand this rank's rows out, one destination at a time
+            size = row.pop(0)
+            received[r].append(x[start:start + size])
+            start, r = start + size, r + 1
+    return [torch.cat(parts) for parts in received]
+'''),
     ],
     "job_setup": [
         ("backend hard-coded to nccl", _JOB_HEADER + _setup_with(
@@ -268,6 +301,30 @@ def checkpoint_round_trip(state, path, info):
         ("no torch.cuda.set_device", _JOB_HEADER
          + _SETUP_RIGHT.replace("    if device.type == \"cuda\":\n        torch.cuda.set_device(device)\n", "")
          + _LOG0 + _ROUND_TRIP_RIGHT + _RUN_JOB_RIGHT),
+        # issue 42, kind "inputs": the caller's state changed (a key added before the save); it kept full marks before
+        # (only what the ranks loaded was checked, and an extra key is no error there)
+        ("checkpoint_round_trip writes the world size into the caller's state before saving it", _JOB_HEADER
+         + _SETUP_RIGHT + _LOG0 + '''
+
+def checkpoint_round_trip(state, path, info):
+    if info["rank"] == 0:
+        state["world_size"] = info["world_size"]      # a note for whoever loads it
+        torch.save(state, path)
+    dist.barrier()
+    return torch.load(path, map_location=info["device"])
+''' + _RUN_JOB_RIGHT),
+        # issue 42, kind "aliasing": rank 0 hands back the caller's own state (the live training tensors) instead of the
+        # copy it read back; it kept full marks before (every rank loads once and gets rank 0's values)
+        ("checkpoint_round_trip hands rank 0 back its own state object (it already holds it) instead of what it loaded",
+         _JOB_HEADER + _SETUP_RIGHT + _LOG0 + '''
+
+def checkpoint_round_trip(state, path, info):
+    if info["rank"] == 0:
+        torch.save(state, path)
+    dist.barrier()
+    loaded = torch.load(path, map_location=info["device"])
+    return state if info["rank"] == 0 else loaded      # rank 0 saved this very state: no need for the copy
+''' + _RUN_JOB_RIGHT),
     ],
     "fix_script": [
         ("stop when any rank's loss is low enough (an all-reduce of the flags with MAX)", _FIXED_HEAD + '''            if rank == 0:
