@@ -159,6 +159,15 @@ _TABLE = [
         steps="applying FSDP2 is one call; the torchrun runs train the result for several steps and count its "
               "collectives per step"),
     _ex("05_gpt_migration", "pick_strategy", value_answer=True),
+    # --- lab 05 ---
+    _ex("05_gpt_migration", "accelerate_loop", ("gradients", "communication", "numerics"),
+        gradients="the exercise is the training loop itself: it gets a model fresh from construction (no .grad) and "
+                  "decides when gradients are cleared; Accelerate's own examples clear them after optimizer.step(), "
+                  "correct here and wrong from a stale start, while a loop that never clears them fails the "
+                  "three-step check against lablib's loop",
+        readiness="the loop's only collective of its own is gather_for_metrics of one tensor per evaluation; the "
+                  "gradient all-reduces are those of the DDP that accelerator.prepare builds, whose buckets the "
+                  "answer never sees"),
     _ex("09_pipeline_parallel", "schedules"),
     _ex("09_pipeline_parallel", "pipeline_engine", ("communication",),
         readiness="the order of the sends is the schedule the test passes (GPipe, 1F1B and other cases, a different "

@@ -54,3 +54,14 @@ def test_per_step_maximum_then_median_across_ranks(tmp_path):
     for rank in (0, 1):
         out = json.loads(next(line for line in run.rank_output[rank].splitlines() if line.startswith("{")))
         assert out["step_s"] == [0.3, 0.3, 0.3, 0.3, 0.3, 0.1] and out["median_step_s"] == 0.3
+
+
+def test_against_reference_reads_a_row_against_the_reference_timed_against_itself():
+    reference = [0.10, 0.11, 0.09, 0.10, 0.12, 0.10]
+    slower = timing.against_reference([0.20, 0.21, 0.19, 0.22, 0.20, 0.18], reference)
+    assert slower["verdict"] == "slower" and slower["above"] == 6 and slower["ratio"] == pytest.approx(2.0)
+    assert slower["floor_range"] == pytest.approx([0.9, 1.2])
+    alike = timing.against_reference([0.10, 0.115, 0.095, 0.105, 0.10, 0.11], reference)
+    assert alike["verdict"] == "within noise"
+    with pytest.raises(ValueError, match="need both"):
+        timing.against_reference([], reference)

@@ -108,3 +108,20 @@ def noise_verdict(ratios: Sequence[float], floor: Sequence[float], comparisons: 
         verdict = "faster"
     return {"verdict": verdict, "above": above, "below": below, "needed": needed,
             "chance": beyond_all_chance(len(ratios), len(floor), needed) if needed else None, "level": level}
+
+
+def against_reference(row_s: Sequence[float], reference_s: Sequence[float], comparisons: int = 1) -> dict:
+    """A variant's timed steps against a reference's, when the two ran one after the other (not in turns).
+
+    Each of the row's steps is divided by the reference's median, and so is each of the reference's own steps: the
+    latter are the same code timed against itself, the noise floor of this run. ``noise_verdict`` then reads the
+    row's ratios against that floor. Returns the medians' ratio, the range of the row's and of the floor's ratios,
+    and the verdict. Run one after the other, a change of the machine's load between the two runs moves the
+    ratio as well, which no floor measured inside one of them can show: read a verdict with that in mind."""
+    if not row_s or not reference_s:
+        raise ValueError(f"{len(row_s)} row steps and {len(reference_s)} reference steps (need both)")
+    ref = median(reference_s)
+    ratios = [t / ref for t in row_s]
+    floor = [t / ref for t in reference_s]
+    return {"ratio": median(row_s) / ref, "ratio_range": [min(ratios), max(ratios)],
+            "floor_range": [min(floor), max(floor)], **noise_verdict(ratios, floor, comparisons)}

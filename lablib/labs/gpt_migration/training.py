@@ -146,28 +146,44 @@ def evaluate(model, val_set, batch_size: int, env, mean_across_ranks: Callable |
     return mean.item() if mean_across_ranks is None else float(mean_across_ranks(mean, env))
 
 
-def time_accumulation(model, optimizer, train_set, config, env, ddp_log) -> dict:
+def time_accumulation(model, optimizer, train_set, config, env, ddp_log, rounds: int = 8) -> dict:
     """A few more DDP accumulation steps of config.accum_steps micro-batches, all-reducing after every
-    micro-batch and with no_sync(): gradient all-reduces per step (counted) and the step time
-    (``lablib.measure.timing``)."""
+    micro-batch (``sync_every``) and with no_sync() (``no_sync``): gradient all-reduces per step (counted) and
+    the step time (``lablib.measure.timing``). The two take turns, after one warm-up step each, with a third arm,
+    ``no_sync`` again (``no_sync_again``): the same code timed against itself, the noise floor of this run.
+    The order alternates by round (A B C, C B A, ...), so a burst of load falls on every arm; per round the ratio
+    sync_every / no_sync and the floor's no_sync_again / no_sync, read by ``timing.noise_verdict``."""
     K, micro = config.accum_steps, config.batch_size // (env.world_size * config.accum_steps)
     items = [train_set[i] for i in range(K * micro)]
     x = torch.stack([it[0] for it in items]).to(env.device).split(micro)
     y = torch.stack([it[1] for it in items]).to(env.device).split(micro)
-    out = {}
-    for name, skip_sync in (("sync_every", False), ("no_sync", True)):
-        times, calls = [], []
-        for _ in range(4):
-            before = ddp_log.count()
-            timing.barrier(env.device)
-            with timing.stopwatch(times, env.device):
-                for k in range(K):
-                    with model.no_sync() if skip_sync and k < K - 1 else contextlib.nullcontext():
-                        (model(x[k], y[k])[1] / K).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            calls.append(ddp_log.count() - before)
-        out[name] = {"allreduce_calls_per_step": calls[-1], **timing.step_times(times, env.device, warmup=1)}
+    arms = {"sync_every": False, "no_sync": True, "no_sync_again": True}   # name -> skip the sync
+
+    def one_step(skip_sync: bool, times: list) -> int:
+        before = ddp_log.count()
+        timing.barrier(env.device)
+        with timing.stopwatch(times, env.device):
+            for k in range(K):
+                with model.no_sync() if skip_sync and k < K - 1 else contextlib.nullcontext():
+                    (model(x[k], y[k])[1] / K).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return ddp_log.count() - before
+
+    times = {name: [] for name in arms}
+    calls = {name: one_step(skip, []) for name, skip in arms.items()}     # warm-up: one untimed step each
+    order = list(arms)
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            calls[name] = one_step(arms[name], times[name])
+    out = {name: {"allreduce_calls_per_step": calls[name], **timing.step_times(times[name], env.device)}
+           for name in arms}
+    # per round, each arm's slowest-rank step: step_times keeps the rounds in order
+    ratios = [s / n for s, n in zip(out["sync_every"]["step_s"], out["no_sync"]["step_s"])]
+    floor = [a / n for a, n in zip(out["no_sync_again"]["step_s"], out["no_sync"]["step_s"])]
+    out["rounds"] = rounds
+    out["ratio_per_round"], out["floor_per_round"] = ratios, floor
+    out["verdict"] = timing.noise_verdict(ratios, floor, comparisons=1)
     return out
 
 

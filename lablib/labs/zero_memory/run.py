@@ -94,7 +94,7 @@ def run(env, config: Config) -> dict:
         if env.is_main:
             peak = max(r["peak"]["total"] for r in per_rank)
             print(f"{variant:13s} N={env.world_size}: final loss {mine['losses'][-1]:.6f}, "
-                  f"peak model states {peak / 1e6:.3f} MB on the fullest rank")
+                  f"model states at the fullest of three moments {peak / 1e6:.3f} MB on the fullest rank")
     # Every rank leaves together: no rank tears the process group down while another still uses it.
     dist.barrier()
     return result

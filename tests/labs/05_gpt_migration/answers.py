@@ -226,6 +226,15 @@ def make_loader(dataset, batch_size, env, seed):
         ("per-process batch equal to the global batch: twice the samples per step",
          _ACC.replace("PREPARE", _PREPARE_ALL).replace("batch_size=config.batch_size // accelerator.num_processes",
                                                         "batch_size=config.batch_size")),
+        # Issue 42's kinds (instructor/hidden_kinds.py): both kept full marks before the hidden three-step and
+        # extreme-logits checks, since every visible check still holds (ranks equal, batches right, the last loss
+        # equal to lablib's evaluation of the same weights at ordinary logits).
+        ("never clears the gradients: from the second step on each step adds all earlier steps' gradients",
+         _ACC.replace("PREPARE", _PREPARE_ALL).replace("            optimizer.zero_grad()\n", "")),
+        ("validation loss as the log of a softmax: -inf where the softmax underflows, at logits far from zero",
+         _ACC.replace("PREPARE", _PREPARE_ALL).replace(
+             'F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)',
+             '-torch.log(torch.softmax(logits, dim=-1)).gather(-1, y.unsqueeze(-1)).squeeze(-1).mean(dim=1)')),
     ],
     "pick_strategy": [
         ("believes FSDP is always the better choice", 'pick = {"S1": "fsdp", "S2": "fsdp", "S3": "accelerate"}'),
@@ -240,5 +249,12 @@ CORRECT_VARIANTS = {
         ("the all-reduce imported by name (from torch.distributed import all_reduce)",
          _DDP_HEADER + "from torch.distributed import all_reduce\n" + _WRAP + _LOADER + _EPOCH
          + _MEAN.replace("    dist.all_reduce(total)", "    all_reduce(total)")),
+    ],
+    "accelerate_loop": [
+        ("gradients cleared before each forward with set_to_none=False, the loss as log_softmax + nll_loss",
+         _ACC.replace("PREPARE", _PREPARE_ALL).replace("            optimizer.zero_grad()\n", "").replace(
+             "            _, loss = model(x, y)\n", "            optimizer.zero_grad(set_to_none=False)\n            _, loss = model(x, y)\n").replace(
+             'F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)',
+             'F.nll_loss(F.log_softmax(logits, dim=-1).transpose(1, 2), y, reduction="none").mean(dim=1)')),
     ],
 }
