@@ -9,9 +9,11 @@ the run makes no schedule of its own. The job has as many processes as the large
 case on p stages runs on ranks 0..p-1 (the others wait for it, lab 06's turns). What each rank does and
 records is ``probe.probe_engine``: one step, on a process group of its own with a short
 timeout, so a deadlock ends in a message instead of a hang. The graded run stops at the first case that
-fails. With ``--repeat n`` (the measurement) each case runs n times and the step of median idle time is kept
-(the first one warms up and is left out), with every timed step's idle share and stopwatch time (per step the
-slowest rank, as ``run_pipeline_torch`` times torch's schedules); then one more step under
+fails. With ``--repeat n`` (the measurement) the cases run in n rounds, each case once per round, the order reversed
+every other round (A B B A ...); the first round warms up and is left out. Per case the step of median idle time is
+kept, with every timed step's idle share, stopwatch time (per step the slowest rank, as ``run_pipeline_torch`` times
+torch's schedules), per-stage costs (``costs.stage_costs``) and the idle share the timing model gives when fed that
+step's own costs (``costs.simulate``); then one more step under
 ``lablib.measure.memory.MemoryTimeline`` gives the saved activations each rank really held at its peak.
 """
 
@@ -23,6 +25,7 @@ from lablib.jobs import script
 from lablib.jobs.exercise import require_file
 from lablib.course.models import GPTConfig
 from lablib.parallel.pipeline import idle_fraction, parse_orders
+from lablib.labs.pipeline_parallel.costs import simulate, stage_costs
 from lablib.labs.pipeline_parallel.probe import SMALL, check_orders, load_engine, parse_case, probe_engine
 
 
@@ -32,7 +35,7 @@ class Config:
     cases: tuple[str, ...] = ("gpipe:2:2", "1f1b:2:3")
     orders: tuple[str, ...] = ("F0 F1 B0 B1/F0 F1 B0 B1", "F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2")   # one per case
     p2p_timeout_s: float = 15.0             # a send/recv waiting longer than this is a deadlock
-    repeat: int = 1                          # steps per case (more than one: the median-idle step after the first)
+    repeat: int = 1                          # rounds, each case one step per round (more: round 0 warms up)
     micro_batch: int = 2                     # sequences per micro-batch
     n_layer: int = SMALL.n_layer
     n_embd: int = SMALL.n_embd
@@ -66,28 +69,47 @@ def run(env, config: Config) -> dict:
     impl = load_engine(config.impl)
     model = GPTConfig(vocab_size=SMALL.vocab_size, block_size=config.block_size, n_layer=config.n_layer,
                       n_head=config.n_head, n_embd=config.n_embd)
-    results = {}
-    for i, (case, orders) in enumerate(zip(config.cases, config.orders)):
-        steps = []
-        for step in range(config.repeat):      # probe_engine starts the ranks' step together (a barrier)
-            steps.append(probe_engine(impl, case, parse_orders(orders), env, p2p_timeout_s=config.p2p_timeout_s,
-                                      seed=config.seed, micro_batch=config.micro_batch, config=model,
-                                      tag=f"{i}.{step}"))
-            if not steps[-1]["ok"]:
+
+    def probe(i: int, tag: str, memory: bool = False) -> dict:
+        return probe_engine(impl, config.cases[i], parse_orders(config.orders[i]), env,
+                            p2p_timeout_s=config.p2p_timeout_s, seed=config.seed, micro_batch=config.micro_batch,
+                            config=model, tag=f"{i}.{tag}", memory=memory)
+
+    # Rounds, not one case after another: round k runs every case once, in the listed order on even rounds and
+    # reversed on odd ones (A B B A ...), so a burst of load from another program falls on all cases of a round
+    # instead of on one case's steps. Round 0 warms up and is left out. probe_engine starts the ranks' step
+    # together (a barrier). The graded run (repeat 1) is one round in the listed order, stopping at the first
+    # case that fails.
+    steps: dict[int, list[dict]] = {i: [] for i in range(len(config.cases))}
+    failed = None
+    for step in range(config.repeat):
+        order = range(len(config.cases)) if step % 2 == 0 else reversed(range(len(config.cases)))
+        for i in order:
+            steps[i].append(probe(i, str(step)))
+            if not steps[i][-1]["ok"]:   # every rank read every stage's record: all stop here together
+                failed = i
                 break
-        result = steps[-1]
-        if result["ok"] and len(steps) > 1:    # every rank: one more step, its memory sampled (not timed)
-            held = probe_engine(impl, case, parse_orders(orders), env, p2p_timeout_s=config.p2p_timeout_s,
-                                seed=config.seed, micro_batch=config.micro_batch, config=model, tag=f"{i}.mem",
-                                memory=True)
-        if env.is_main and result["ok"] and len(steps) > 1:   # the step of median idle time, the first one left out
-            timed = sorted(steps[1:], key=lambda s: idle_fraction(s["events"]))
-            result = dict(timed[len(timed) // 2], idle_fractions=[idle_fraction(s["events"]) for s in steps[1:]],
-                          step_s=[s["step_s"] for s in steps[1:]],
-                          peak_activation_bytes=held.get("peak_activation_bytes"))
+        script.progress(env, step + 1, config.repeat)
+        if failed is not None:
+            break
+    results = {}
+    for i, case in enumerate(config.cases):
+        if not steps[i]:
+            continue
+        result = steps[i][-1]
+        if failed is None and config.repeat > 1:   # every rank: one more step, its memory sampled (not timed)
+            held = probe(i, "mem", memory=True)
+            if env.is_main:                         # the step of median idle time, the warm-up round left out
+                timed = steps[i][1:]
+                by_idle = sorted(timed, key=lambda s: idle_fraction(s["events"]))
+                result = dict(by_idle[len(by_idle) // 2], idle_fractions=[idle_fraction(s["events"]) for s in timed],
+                              step_s=[s["step_s"] for s in timed],
+                              stage_costs=[stage_costs(s["events"]) for s in timed],
+                              model_idle_fractions=[idle_fraction(simulate(s["schedule"], stage_costs(s["events"])))
+                                                    for s in timed],
+                              peak_activation_bytes=held.get("peak_activation_bytes"))
         results[case] = result
-        script.progress(env, i + 1, len(config.cases))
-        if not result["ok"]:                   # every rank read every stage's record: all stop here together
+        if i == failed:
             break
     return {"runs": results if env.is_main else {}}
 

@@ -1,13 +1,15 @@
 """Lab 09's comparison: the same GPT stages under ``torch.distributed.pipelining``'s schedules.
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.labs.pipeline_parallel.run_pipeline_torch --n-microbatches 8 --out out.json
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.pipeline_parallel.run_pipeline_torch --n-microbatches 8 --rounds 6 --out out.json
 
 For each schedule the GPT is cut into p x v chunks (``lablib.parallel.pipeline.gpt_stages``, the last one returning
 logits; the loss is the schedule's ``loss_fn``), rank r holds chunks r, r + p, ... (ZBV: r and 2p - 1 - r,
 its "V"; also DualPipeV, DeepSeek-V3's schedule), and PyTorch's ``PipelineStage`` and schedule run the steps: one to warm up (it also infers the
-shapes), ``steps`` timed (``lablib.measure.timing.step_times``: per step the slowest rank, then the median), then one
-more under ``lablib.measure.memory.MemoryTimeline`` for the saved activations each rank held at its peak. The last
-rank's micro-batch losses are compared with one process's.
+shapes), then ``rounds`` timed rounds in which every schedule, and the floor schedule (1F1B) a second time on its own
+copy, takes one step, the order reversed every other round (``timed_rounds``: per step the slowest rank; per round each
+schedule's step over 1F1B's, beside 1F1B's second copy over its first, the noise floor), then one more step each under
+``lablib.measure.memory.MemoryTimeline`` for the saved activations each rank held at its peak. The last rank's
+micro-batch losses are compared with one process's.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class Config:
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     n_microbatches: int = 8
     micro_batch: int = 4
-    steps: int = 4                      # timed steps per schedule (after one warm-up step)
+    rounds: int = 6                     # timed rounds: every schedule one step per round (after one warm-up step)
+    floor: str = "1f1b"                 # timed twice per round: against itself, the noise floor of the ratios
     n_layer: int = SMALL.n_layer
     n_embd: int = 128
     n_head: int = SMALL.n_head
@@ -50,51 +53,68 @@ class Config:
         unknown = [s for s in self.schedules if s not in SCHEDULES]
         if unknown or not self.schedules:
             raise ValueError(f"schedules={self.schedules}: unknown {unknown}; known: {sorted(SCHEDULES)}")
-        if self.n_microbatches < 1 or self.micro_batch < 1 or self.steps < 1:
-            raise ValueError("n_microbatches, micro_batch and steps must be positive")
+        if self.floor not in self.schedules:
+            raise ValueError(f"floor={self.floor!r} must be one of the timed schedules {self.schedules}: the ratios "
+                             "are each schedule's step over the floor schedule's, beside it timed against itself")
+        if self.n_microbatches < 1 or self.micro_batch < 1 or self.rounds < 1:
+            raise ValueError(f"n_microbatches={self.n_microbatches}, micro_batch={self.micro_batch} and rounds="
+                             f"{self.rounds} must be positive")
 
     def validate_world(self, world_size: int) -> None:
         if self.n_layer < 2 * world_size:
             raise ValueError(f"n_layer={self.n_layer} cannot give 2 chunks to each of {world_size} ranks")
 
 
-def run_schedule(name: str, env, config: Config, model_config: GPTConfig, inputs, targets) -> dict:
-    import torch.distributed.pipelining as pp
+class _Runner:
+    """One schedule of torch.distributed.pipelining on this rank's chunks of its own copy of the GPT (same weights)."""
 
-    cls_name, v = SCHEDULES[name]
-    p = env.world_size
-    torch.manual_seed(config.seed)
-    chunks = pipeline.gpt_stages(GPT(model_config), p * v, loss=False)
-    mine = [env.rank + k * p for k in range(v)] if name not in V_SHAPED else [env.rank, 2 * p - 1 - env.rank]
-    stages = [pp.PipelineStage(chunks[i], i, p * v, env.device) for i in mine]
-    schedule = getattr(pp, cls_name)(stages[0] if v == 1 else stages, config.n_microbatches, loss_fn=pipeline.token_loss)
-    x, y = torch.cat(inputs).to(env.device), torch.cat(targets).to(env.device)
-    holds_first, holds_last = 0 in mine, p * v - 1 in mine
+    def __init__(self, name: str, env, config: Config, model_config: GPTConfig, inputs, targets):
+        import torch.distributed.pipelining as pp
 
-    def step() -> list:
-        for i in mine:
-            chunks[i].zero_grad(set_to_none=True)
-        losses = [] if holds_last else None
-        args = (x,) if holds_first else ()
-        kwargs = {"target": y, "losses": losses} if holds_last else {}
-        schedule.step(*args, **kwargs)
+        self.cls_name, v = SCHEDULES[name]
+        self.v, p = v, env.world_size
+        torch.manual_seed(config.seed)
+        self.chunks = pipeline.gpt_stages(GPT(model_config), p * v, loss=False)
+        self.mine = [env.rank + k * p for k in range(v)] if name not in V_SHAPED else [env.rank, 2 * p - 1 - env.rank]
+        stages = [pp.PipelineStage(self.chunks[i], i, p * v, env.device) for i in self.mine]
+        self.schedule = getattr(pp, self.cls_name)(stages[0] if v == 1 else stages, config.n_microbatches,
+                                                   loss_fn=pipeline.token_loss)
+        self.x, self.y = torch.cat(inputs).to(env.device), torch.cat(targets).to(env.device)
+        self.holds_first, self.holds_last = 0 in self.mine, p * v - 1 in self.mine
+
+    def step(self) -> list:
+        for i in self.mine:
+            self.chunks[i].zero_grad(set_to_none=True)
+        losses = [] if self.holds_last else None
+        args = (self.x,) if self.holds_first else ()
+        kwargs = {"target": self.y, "losses": losses} if self.holds_last else {}
+        self.schedule.step(*args, **kwargs)
         return losses or []
 
-    per_step = []
-    for i in range(config.steps + 1):
-        timing.barrier(env.device)
-        with timing.stopwatch(per_step, env.device):
-            losses = step()
-    times = timing.step_times(per_step, env.device, warmup=1)
-    timing.barrier(env.device)
-    with MemoryTimeline(nn.ModuleList(chunks[i] for i in mine)) as timeline:
-        step()
-    peak = max(s["activations"] for s in timeline.samples)
-    per_rank = gather_objects({"rank": env.rank, "peak_activation_bytes": peak,
-                               "losses": [float(t) for t in losses]}, env)
-    return {"schedule": name, "torch_class": cls_name, "chunks_per_rank": v, **times,
-            "peak_activation_bytes": [r["peak_activation_bytes"] for r in per_rank],
-            "losses": next(r["losses"] for r in per_rank if r["losses"])}
+
+def timed_rounds(runners: dict, env, config: Config) -> dict:
+    """Every schedule, and the floor schedule a second time (its own copy), one step each per round, the order
+    reversed every other round (A B ... B A); each step after a barrier, on a stopwatch, per round the slowest
+    rank (``timing.slowest_rank``). Per round each schedule's step over the floor schedule's, and the floor's
+    second copy over its first: the same code timed against itself, the noise floor (``timing.noise_verdict``)."""
+    arms = list(runners)
+    per_arm = {a: [] for a in arms}
+    for r in range(config.rounds):
+        for a in (arms if r % 2 == 0 else arms[::-1]):
+            timing.barrier(env.device)
+            with timing.stopwatch(per_arm[a], env.device):
+                runners[a].step()
+    slowest = {a: timing.slowest_rank(t, env.device) for a, t in per_arm.items()}
+    base, again = slowest[config.floor], slowest[config.floor + "_again"]
+    floor = [x / y for x, y in zip(again, base)]
+    out = {"floor_ratios": floor, "floor_median_ratio": timing.median(floor)}
+    compared = [a for a in config.schedules if a != config.floor]
+    for a in config.schedules:
+        ratios = [x / y for x, y in zip(slowest[a], base)]
+        out[a] = {"step_s": slowest[a], "median_step_s": timing.median(slowest[a]), "ratios": ratios,
+                  "median_ratio": timing.median(ratios),
+                  "vs_floor": timing.noise_verdict(ratios, floor, len(compared)) if a != config.floor else None}
+    return out
 
 
 def run(env, config: Config) -> dict:
@@ -102,11 +122,31 @@ def run(env, config: Config) -> dict:
                              n_head=config.n_head, n_embd=config.n_embd)
     inputs, targets = batch(model_config, config.n_microbatches, config.micro_batch, config.seed)
     _, reference_losses = reference(model_config, inputs, targets, config.seed)
-    t0, results = time.perf_counter(), {}
-    for i, name in enumerate(config.schedules):
-        results[name] = run_schedule(name, env, config, model_config, inputs, targets)
-        script.progress(env, i + 1, len(config.schedules))
+    t0 = time.perf_counter()
+    names = list(config.schedules) + [config.floor + "_again"]
+    runners = {n: _Runner(n.removesuffix("_again"), env, config, model_config, inputs, targets) for n in names}
+    losses = {}
+    for n, runner in runners.items():          # warm-up: the first step also infers the stages' shapes
+        timing.barrier(env.device)
+        losses[n] = runner.step()
+    script.progress(env, 1, 3)
+    timed = timed_rounds(runners, env, config)
+    script.progress(env, 2, 3)
+    results = {}
+    for name in config.schedules:              # one more step each, its saved activations sampled (not timed)
+        runner = runners[name]
+        timing.barrier(env.device)
+        with MemoryTimeline(nn.ModuleList(runner.chunks[i] for i in runner.mine)) as timeline:
+            step_losses = runner.step()
+        peak = max(s["activations"] for s in timeline.samples)
+        per_rank = gather_objects({"peak_activation_bytes": peak, "losses": [float(t) for t in step_losses]}, env)
+        results[name] = {"schedule": name, "torch_class": runner.cls_name, "chunks_per_rank": runner.v, **timed[name],
+                         "peak_activation_bytes": [r["peak_activation_bytes"] for r in per_rank],
+                         "losses": next(r["losses"] for r in per_rank if r["losses"])}
+    script.progress(env, 3, 3)
     return {"schedules": results, "reference_losses": reference_losses, "n_stages": env.world_size,
+            "floor": config.floor, "floor_ratios": timed["floor_ratios"],
+            "floor_median_ratio": timed["floor_median_ratio"], "rounds": config.rounds,
             "seconds": time.perf_counter() - t0}
 
 

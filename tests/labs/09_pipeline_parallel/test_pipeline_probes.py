@@ -287,10 +287,13 @@ def test_config_is_strict():
 
 def test_real_ranks_pass_and_a_blocking_send_deadlocks_with_a_message(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    good = launch.run("pipeline", {"impl": write_engine(tmp_path / "good.py"), **pipeline_probes.case_options(EXAMPLE)},
-                      nproc=2, timeout_s=120, quiet=True)
-    for r in good.metrics.runs.values():
+    good = launch.run("pipeline", {"impl": write_engine(tmp_path / "good.py"), **pipeline_probes.case_options(EXAMPLE),
+                                   "repeat": 3}, nproc=2, timeout_s=120, quiet=True)
+    for r in good.metrics.runs.values():      # the measurement's rounds: round 0 warms up, two timed
         pipeline_probes.check_engine(r)
+        assert len(r.idle_fractions) == len(r.step_s) == len(r.stage_costs) == len(r.model_idle_fractions) == 2
+        assert r.idle_fractions.count(pipeline.idle_fraction(r.events)) >= 1     # the drawn step is a timed one
+        assert all(0 <= x < 1 for x in r.model_idle_fractions) and all(b > 0 for b in r.peak_activation_bytes)
     cases = {"1f1b:2:4": pipeline_ref.schedule("1f1b", 2, 4), **EXAMPLE}
     bad = launch.run("pipeline", {"impl": write_engine(tmp_path / "bad.py", blocking=True),
                                   **pipeline_probes.case_options(cases), "p2p_timeout_s": 3.0},
@@ -310,10 +313,16 @@ def test_torch_pipelining_runs_the_same_stages(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown"):
         pipeline_torch.Config(schedules=("zb",)).validate()
     monkeypatch.chdir(tmp_path)
-    run = launch.run("pipeline_torch", {"schedules": ("gpipe", "1f1b", "interleaved_1f1b"), "steps": 1,
+    with pytest.raises(ValueError, match="floor"):
+        pipeline_torch.Config(schedules=("gpipe",)).validate()
+    run = launch.run("pipeline_torch", {"schedules": ("gpipe", "1f1b", "interleaved_1f1b"), "rounds": 2,
                                         "n_microbatches": 4, "n_embd": 16, "block_size": 8}, nproc=2, timeout_s=180,
                      quiet=True)
     m = run.metrics
     for s in m.schedules.values():
         assert s.losses == pytest.approx(m.reference_losses, rel=1e-4)
     assert m.schedules["gpipe"].peak_activation_bytes[0] > m.schedules["1f1b"].peak_activation_bytes[0]
+    assert len(m.floor_ratios) == 2 and m.schedules["1f1b"].vs_floor is None      # 1F1B against itself: the floor
+    for s in (m.schedules["gpipe"], m.schedules["interleaved_1f1b"]):
+        assert [a / b for a, b in zip(s.step_s, m.schedules["1f1b"].step_s)] == pytest.approx(s.ratios)
+        assert s.vs_floor.needed is None and s.vs_floor.verdict == "within noise"   # 2 rounds cannot tell apart

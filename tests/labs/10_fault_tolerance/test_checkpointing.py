@@ -140,6 +140,23 @@ def test_restart_timeline_splits_the_time_lost():
     assert t["lost_s"] == pytest.approx(5.0)
 
 
+def test_save_timing_takes_turns_and_reads_against_a_floor():
+    """measure_save: every arm once per round after a warm-up round, ratios per round against dcp.save, and the floor
+    (dcp.save against itself); two rounds are too few for any verdict."""
+    from lablib.labs.fault_tolerance import async_checkpoint
+
+    with pytest.raises(ValueError, match="rounds=0"):
+        async_checkpoint.measure_save(4, rounds=0)
+    out = async_checkpoint.measure_save(4, rounds=2)
+    assert out["state_mb"] == 4.0
+    assert all(len(out[k]) == 2 for k in ("blocking", "async_blocking", "async_total", "blocking_again"))
+    assert all(a <= t for a, t in zip(out["async_blocking"], out["async_total"]))   # returned before it completed
+    assert out["floor"] == pytest.approx([a / b for a, b in zip(out["blocking_again"], out["blocking"])])
+    r = out["ratios"]["async_total"]
+    assert r["per_round"] == pytest.approx([a / b for a, b in zip(out["async_total"], out["blocking"])])
+    assert r["verdict"]["needed"] is None and r["verdict"]["verdict"] == "within noise"
+
+
 def test_the_data_draws_from_python_and_numpy(monkeypatch):
     """Every generator of the contract matters: the shifts come from Python's random, the token noise from numpy's."""
     import random
