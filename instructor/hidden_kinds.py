@@ -168,6 +168,19 @@ _TABLE = [
                   "rehearsal already lands an async one only at its wait (group_rehearsal._land): no order of "
                   "readiness is left for the answer to depend on"),
     _ex("12_context_parallel", "ulysses_bytes_answer", value_answer=True),
+    # --- lab 13 ---
+    _ex("13_expert_parallel", "moe_routing"),
+    _ex("13_expert_parallel", "moe_aux_loss", ("numerics",),
+        steps="a function of its arguments alone (a count and a mean): nothing is kept between calls, so every hidden "
+              "case is a fresh step"),
+    _ex("13_expert_parallel", "ep_dispatch", ("communication", "topology"),
+        readiness="each all_to_all_single of the dispatch (counts, tokens, results, and the backward's two) delivers "
+                  "in group-rank order by contract, and the rehearsal lands an async one only at its wait "
+                  "(group_rehearsal._land): no order of readiness is left for the answer to depend on"),
+    _ex("13_expert_parallel", "ep_dp", ("gradients", "communication", "topology"),
+        readiness="it runs after the backward has finished and reduces the parameters in the order of the lists it "
+                  "is handed, the same on every rank: no gradient becomes ready while it runs"),
+    _ex("13_expert_parallel", "dispatch_bytes_answer", value_answer=True),
 ]
 EXERCISES: dict[tuple[str, str], Exercise] = {(e.lab, e.name): e for e in _TABLE}
 
