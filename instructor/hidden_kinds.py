@@ -154,6 +154,18 @@ _TABLE = [
     _ex("10_fault_tolerance", "young_daly", ("numerics",),
         steps="three pure functions of numbers: nothing is kept between calls, so every hidden case is a fresh step"),
     _ex("10_fault_tolerance", "per_rank_answer", value_answer=True),
+    # --- lab 11 ---
+    _ex("11_strategy_benchmark", "strategy_class", ("gradients", "communication", "topology"),
+        readiness="the answer launches no collective: sync_gradients asks the wrapper to finish, and the wrapper's "
+                  "own hooks (lab 06's classes, PyTorch's DDP) launch and order the all-reduces; the torchrun run "
+                  "trains with them and compares every row's weights with one process's"),
+    _ex("11_strategy_benchmark", "full_from_shards", ("topology",),
+        topology="the mesh is given as numbers (mesh_shape, placements), so every hidden case is already a mesh of its "
+                 "own: 1-D and 2-D, uneven, nested, strided (FSDP2 x TP), replicated",
+        steps="a function of its arguments alone: nothing is kept between calls, so every hidden case is a fresh step"),
+    _ex("11_strategy_benchmark", "planner", ("numerics",),
+        steps="two functions of their arguments alone (dicts and degrees): nothing is kept between calls, so every "
+              "hidden case is a fresh step"),
     # --- lab 12 ---
     _ex("12_context_parallel", "cp_ring_forward", ("communication", "numerics", "topology"),
         topology="comm is the whole topology: the answer sees comm.rank and comm.world_size, never a group, "
