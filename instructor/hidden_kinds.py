@@ -186,6 +186,45 @@ _TABLE = [
     _ex("10_fault_tolerance", "young_daly", ("numerics",),
         steps="three pure functions of numbers: nothing is kept between calls, so every hidden case is a fresh step"),
     _ex("10_fault_tolerance", "per_rank_answer", value_answer=True),
+    # --- lab 11 ---
+    _ex("11_strategy_benchmark", "strategy_class", ("gradients", "communication", "topology"),
+        readiness="the answer launches no collective: sync_gradients asks the wrapper to finish, and the wrapper's "
+                  "own hooks (lab 06's classes, PyTorch's DDP) launch and order the all-reduces; the torchrun run "
+                  "trains with them and compares every row's weights with one process's"),
+    _ex("11_strategy_benchmark", "full_from_shards", ("topology",),
+        topology="the mesh is given as numbers (mesh_shape, placements), so every hidden case is already a mesh of its "
+                 "own: 1-D and 2-D, uneven, nested, strided (FSDP2 x TP), replicated",
+        steps="a function of its arguments alone: nothing is kept between calls, so every hidden case is a fresh step"),
+    _ex("11_strategy_benchmark", "planner", ("numerics",),
+        steps="two functions of their arguments alone (dicts and degrees): nothing is kept between calls, so every "
+              "hidden case is a fresh step"),
+    # --- lab 12 ---
+    _ex("12_context_parallel", "cp_ring_forward", ("communication", "numerics", "topology"),
+        topology="comm is the whole topology: the answer sees comm.rank and comm.world_size, never a group, "
+                 "mesh or local rank; the hidden cases run the ring on 1, 3 and 4 thread ranks (at 3 and 4 the "
+                 "left and right neighbours differ) with positions dealt out in a shuffled, uneven split"),
+    _ex("12_context_parallel", "cp_ring_backward", ("communication", "numerics", "topology"),
+        topology="as in the forward, comm (its rank and world size) is all the topology there is, and the hidden "
+                 "cases run the backward's ring on 1, 3 and 4 thread ranks"),
+    _ex("12_context_parallel", "cp_zigzag"),
+    _ex("12_context_parallel", "cp_ulysses", ("communication", "numerics", "topology"),
+        readiness="each re-shard is one all_to_all_single whose pieces arrive in group-rank order by contract, and the "
+                  "rehearsal already lands an async one only at its wait (group_rehearsal._land): no order of "
+                  "readiness is left for the answer to depend on"),
+    _ex("12_context_parallel", "ulysses_bytes_answer", value_answer=True),
+    # --- lab 13 ---
+    _ex("13_expert_parallel", "moe_routing"),
+    _ex("13_expert_parallel", "moe_aux_loss", ("numerics",),
+        steps="a function of its arguments alone (a count and a mean): nothing is kept between calls, so every hidden "
+              "case is a fresh step"),
+    _ex("13_expert_parallel", "ep_dispatch", ("communication", "topology"),
+        readiness="each all_to_all_single of the dispatch (counts, tokens, results, and the backward's two) delivers "
+                  "in group-rank order by contract, and the rehearsal lands an async one only at its wait "
+                  "(group_rehearsal._land): no order of readiness is left for the answer to depend on"),
+    _ex("13_expert_parallel", "ep_dp", ("gradients", "communication", "topology"),
+        readiness="it runs after the backward has finished and reduces the parameters in the order of the lists it "
+                  "is handed, the same on every rank: no gradient becomes ready while it runs"),
+    _ex("13_expert_parallel", "dispatch_bytes_answer", value_answer=True),
 ]
 EXERCISES: dict[tuple[str, str], Exercise] = {(e.lab, e.name): e for e in _TABLE}
 
@@ -397,6 +436,63 @@ class HiddenCheck:
             checks.check_true(any(_holds(r, self.CUDA_MARKER) for r in restored),
                               f"{what}: loading it did not restore the GPU's random generator state",
                               hint="torch.cuda.set_rng_state_all(...) with what was saved, when a GPU is there")
+
+    # --- readiness of point-to-point receives, groups of thread ranks (labs 12 and 13) -------------------------------
+    def late_receives(self, comm):
+        """``comm`` (a point-to-point comm whose isend/irecv return works with wait()) with receives that become ready
+        only when their work is waited, the latest a backend may deliver them, not when the peer happens to post first
+        (as a thread rehearsal otherwise delivers): an answer that reads a receive buffer before waiting on it (every
+        wait left to the end of the loop) then reads the wrong bytes on every run, not on some. All else is comm's."""
+        self._mark("readiness")
+        return _LateReceives(comm)
+
+    def other_groups(self, world_size: int = 4) -> dict[str, list[list[int]]]:
+        """Ways to cut ``world_size`` ranks into groups other than the default one (every rank in rank order), each a
+        list of groups of world ranks in group-rank order: "halves" (consecutive ranks, as context-parallel groups
+        beside data parallelism), "strided" (every other rank: a 2-D mesh's other dimension, where a group rank is not
+        the world rank minus an offset) and "reversed" (one group whose rank i is world rank N-1-i). An answer that uses
+        the world's rank, size or default group where the given group's belong is wrong in at least one of them."""
+        if world_size < 4 or world_size % 2:
+            raise ValueError(f"other_groups needs an even world_size of at least 4 (two groups of 2 or more), "
+                             f"got {world_size}")
+        self._mark("topology")
+        half = world_size // 2
+        return {"halves": [list(range(half)), list(range(half, world_size))],
+                "strided": [list(range(0, world_size, 2)), list(range(1, world_size, 2))],
+                "reversed": [list(range(world_size))[::-1]]}
+
+
+class _LateReceives:
+    """A comm whose irecv lands in a buffer of its own, copied into the caller's tensor at the first wait()."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def irecv(self, tensor, src):
+        landing = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        return _LandsWhenWaited(self._comm.irecv(landing, src), lambda: tensor.copy_(landing))
+
+
+class _LandsWhenWaited:
+    def __init__(self, work, land):
+        self._work, self._land = work, land
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        if self._land is not None:
+            with torch.no_grad():
+                self._land()
+            self._land = None
+        return result
+
+    def is_completed(self) -> bool:
+        done = self._work.is_completed()
+        if done:
+            self.wait()
+        return done
 
 
 class _FakeCuda:

@@ -359,3 +359,37 @@ def test_device_state_is_found_inside_a_pickled_blob():
     hk.check_device_state_present(blob, "a pickled per-rank state")
     with pytest.raises(CheckFailed, match="is not in it"):
         hk.check_device_state_present({"rng": pickle.dumps([{"cuda": []}])}, "a pickled per-rank state")
+
+
+# --- late receives and other groups (labs 12 and 13) ----------------------------------------------------------------
+def _exchange(comm, read_before_wait: bool) -> float:
+    """Rank r sends r + 1 to its right neighbour and receives its left neighbour's: wrong when it reads before waiting."""
+    n, got = comm.world_size, torch.zeros(1)
+    works = [comm.isend(torch.tensor([comm.rank + 1.0]), (comm.rank + 1) % n), comm.irecv(got, (comm.rank - 1) % n)]
+    seen = got.clone()
+    for work in works:
+        work.wait()
+    return (seen if read_before_wait else got).item()
+
+
+@pytest.mark.parametrize("read_before_wait", [True, False])
+def test_late_receives_land_only_when_waited(read_before_wait):
+    from lablib.probes.ring_rehearsal import run_in_threads
+
+    hk = _check(("communication",))
+    got = run_in_threads(3, lambda comm: _exchange(hk.late_receives(comm), read_before_wait))
+    assert "readiness" in hk.applied
+    assert got == ([0.0, 0.0, 0.0] if read_before_wait else [3.0, 1.0, 2.0])
+
+
+def test_other_groups_are_not_the_default_and_catch_the_world_rank_used_as_the_group_rank():
+    hk = _check(("topology",))
+    groups = hk.other_groups(4)
+    assert "topology" in hk.applied
+    for name, layout in groups.items():
+        assert sorted(r for g in layout for r in g) == [0, 1, 2, 3] and layout != [[0, 1, 2, 3]], name
+    # wrong: a group rank taken as the world rank modulo the group's size (right for consecutive halves only)
+    wrong = {name: any(g.index(r) != r % len(g) for g in layout for r in g) for name, layout in groups.items()}
+    assert wrong == {"halves": False, "strided": True, "reversed": True}
+    with pytest.raises(ValueError, match="even world_size"):
+        hk.other_groups(3)

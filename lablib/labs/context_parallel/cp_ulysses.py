@@ -12,7 +12,8 @@ within lablib.labs.context_parallel.cp_ring's rounding bound; all-to-alls only (
 values or 1 of them packed, then 1 back) and no other collective, a barrier included (the thread ranks log it as the
 real run's counter does); a head count N does not divide is refused with a ValueError that names both numbers. A case with
 "groups": 2 (threads only) cuts the world into two groups of consecutive ranks, each a Ulysses group of its own
-(as under data parallelism x context parallelism): every world size, rank and all-to-all must be the group's.
+(as under data parallelism x context parallelism), and "groups" as a list of rank lists gives groups in any order
+(every other rank; one group in reversed order): every world size, rank and all-to-all must be the group's.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def probe_ulysses(module, group, case, seed: int = 0, log=None) -> dict:
     kept = [t.clone() for t in (q, k, v)]
     h_r = case["H"] // n
     record = {"case": case_name, "dtype": case["dtype"], "rank": rank, "world_size": n, "element_size": q.element_size(),
-              "values": q.numel(), "groups": case.get("groups", 1)}
+              "values": q.numel(), "groups": case.get("groups", 1),
+              "group_ranks": group.ranks if isinstance(group, ThreadGroup) else None}
     with counting.count_collectives() as real_log:
         calls_before = len(log) if log is not None else 0
         heads = module.seq_to_head(q, group)
@@ -113,26 +115,39 @@ def _rehearse(module, world_size: int, cases, timeout_s: float) -> list[list[dic
     out = []
     for case in cases:
         case = resolve_case(case)
-        n_groups = case.get("groups", 1)
-        if world_size % n_groups:
-            raise ValueError(f"case {case['name']!r} cuts the world into {n_groups} groups: world_size={world_size} "
-                             f"must be a multiple of {n_groups}")
-        size = world_size // n_groups
-        groups = [ThreadGroup(range(g * size, (g + 1) * size)) for g in range(n_groups)] if n_groups > 1 else [None]
+        group_of = _groups(case, world_size)
         logs = [[] for _ in range(world_size)]
         out.append(run_in_thread_ranks(
-            world_size, lambda rank, case=case: probe_ulysses(module, groups[rank // size], case, log=logs[rank]),
+            world_size, lambda rank, case=case: probe_ulysses(module, group_of[rank], case, log=logs[rank]),
             timeout_s, more_fakes=functools.partial(group_rehearsal.fakes, log=logs)))
     return out
+
+
+def _groups(case: dict, world_size: int) -> list:
+    """Each world rank's group for a case: "groups" a count (that many groups of consecutive ranks; 1: the default
+    group) or a list of groups, each a list of world ranks in group-rank order (equal sizes, every rank once)."""
+    layout = case.get("groups", 1)
+    if isinstance(layout, int):
+        if world_size % layout:
+            raise ValueError(f"case {case['name']!r} cuts the world into {layout} groups: world_size={world_size} "
+                             f"must be a multiple of {layout}")
+        size = world_size // layout
+        layout = [list(range(g * size, (g + 1) * size)) for g in range(layout)] if layout > 1 else None
+    if layout is None:
+        return [None] * world_size
+    if sorted(r for g in layout for r in g) != list(range(world_size)) or len({len(g) for g in layout}) != 1:
+        raise ValueError(f"case {case['name']!r}: groups {layout} must hold every rank of {world_size} once, in "
+                         f"groups of one size")
+    return [next(ThreadGroup(g) for g in layout if rank in g) for rank in range(world_size)]
 
 
 def check_ulysses(records: list[dict]) -> None:
     for r in records:
         where = f"Ulysses, case {r['case']!r}, rank {r['rank']} of {r['world_size']}"
-        if r.get("groups", 1) > 1:
-            where += (f" in its group (the world cut into {r['groups']} groups of {r['world_size']} ranks, each group "
-                      f"an attention of its own: everything seq_to_head, head_to_seq and ulysses_attention do is "
-                      f"over the group they are given)")
+        if r.get("group_ranks"):
+            where += (f" in its group (world ranks {r['group_ranks']} in group-rank order, each group an attention of "
+                      f"its own: everything seq_to_head, head_to_seq and ulysses_attention do is over the group they "
+                      f"are given)")
         n = r["world_size"]
         msg = r["indivisible"]
         checks.check_true(n == 1 or bool(msg) and not msg.startswith("not a ValueError") and str(n + 1) in msg and str(n) in msg,

@@ -67,7 +67,7 @@ class Config:
             raise ValueError(f"cases={self.cases}: unknown {unknown}; known: {sorted(known)} (others go in cases_json)")
         resolve = cp_ulysses.resolve_case if self.exercise == "ulysses" else cp_ring.resolve_case
         extra = [resolve(c) for c in self.extra_cases()]
-        threads_only = [c["name"] for c in extra if c.get("groups", 1) > 1]
+        threads_only = [c["name"] for c in extra if c.get("groups", 1) != 1]
         if self.exercise != "idle" and threads_only:
             raise ValueError(f"cases_json: {threads_only} cut the world into groups and run on thread ranks only "
                              f"(cp_ulysses.rehearse_ulysses); leave them out here")

@@ -17,7 +17,9 @@ their groups' ranks (``lablib.measure.counting``): an expert's gradient must be 
 
 Visible cases (``CASES``): fp32; a frozen expert parameter (requires_grad False, grad None). A case is a dict: dtype,
 ``no_grad`` (None, or [kind, index, requires_grad] of the parameter whose .grad is None on every rank: frozen when
-requires_grad is False, unused by the loss when it is True) and an optional ``seed`` for the gradients. The graded
+requires_grad is False, unused by the loss when it is True), an optional ``seed`` for the gradients, ``backwards``
+(.grad the sum of that many draws, as after accumulation) and ``zero_on`` ([kind, index, mesh ranks]: on those ranks
+that .grad is a zero tensor, as zero_grad(set_to_none=False) leaves it where no loss reached the parameter). The graded
 cases beyond these (float64, an unused parameter, other seeds) are drawn by the instructor's hidden tests and handed
 to the same functions as dicts (``resolve_case``); none of them is listed here. Tolerance: a sum of at most W
 terms in any order, and a division: gamma_{W+1} (which holds u) times the sum of the terms' magnitudes.
@@ -44,16 +46,23 @@ def resolve_case(case) -> dict:
         if case not in CASES:
             raise ValueError(f"unknown ep_dp case {case!r}; named cases: {sorted(CASES)} (others are passed as dicts)")
         case = dict(CASES[case], name=case)
-    if not isinstance(case, dict) or {"name", "dtype", "no_grad"} - set(case) or set(case) - {"name", "dtype",
-                                                                                                "no_grad", "seed"}:
-        raise ValueError(f"an ep_dp case is a name or a dict with keys name, dtype, no_grad (and seed); got {case!r}")
+    if not isinstance(case, dict) or {"name", "dtype", "no_grad"} - set(case) or set(case) - {
+            "name", "dtype", "no_grad", "seed", "zero_on", "backwards"}:
+        raise ValueError(f"an ep_dp case is a name or a dict with keys name, dtype, no_grad (and seed, zero_on, "
+                         f"backwards); got {case!r}")
+    zero_on = case.get("zero_on")
+    if zero_on is not None and not (len(zero_on) == 3 and zero_on[0] in SHAPES and
+                                    zero_on[1] in range(len(SHAPES[zero_on[0]]))):
+        raise ValueError(f"ep_dp case {case['name']!r}: zero_on must be None or [kind in {sorted(SHAPES)}, index, "
+                         f"mesh ranks whose .grad of it is a zero tensor]")
     no_grad = case["no_grad"]
     if case["dtype"] not in DTYPES or not (no_grad is None or (
             len(no_grad) == 3 and no_grad[0] in SHAPES and no_grad[1] in range(len(SHAPES[no_grad[0]])))):
         raise ValueError(f"ep_dp case {case['name']!r}: dtype must be one of {sorted(DTYPES)}, no_grad None or "
                          f"[kind in {sorted(SHAPES)}, index, requires_grad]")
     return dict(case, seed=int(case.get("seed", 0)), no_grad=None if no_grad is None else
-                [no_grad[0], int(no_grad[1]), bool(no_grad[2])])
+                [no_grad[0], int(no_grad[1]), bool(no_grad[2])], backwards=int(case.get("backwards", 1)),
+                zero_on=None if zero_on is None else [zero_on[0], int(zero_on[1]), [int(r) for r in zero_on[2]]])
 
 
 def parse_mesh(spec: str) -> tuple[int, int]:
@@ -68,8 +77,15 @@ def mesh_groups(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def _grads(case: dict, rank: int, kind: str) -> list[torch.Tensor]:
+    """What each parameter's .grad holds on this rank: ``backwards`` draws summed (gradients accumulated over several
+    backwards), or a zero tensor where ``zero_on`` says (zero_grad(set_to_none=False), and no loss reached it here)."""
     gen = torch.Generator().manual_seed(31 * rank + (0 if kind == "dense" else 1) + 1000 * case["seed"])
-    return [torch.randn(shape, generator=gen).to(DTYPES[case["dtype"]]) for shape in SHAPES[kind]]
+    draws = [[torch.randn(shape, generator=gen) for shape in SHAPES[kind]] for _ in range(case.get("backwards", 1))]
+    grads = [sum(d[i] for d in draws).to(DTYPES[case["dtype"]]) for i in range(len(SHAPES[kind]))]
+    zero_on = case.get("zero_on")
+    if zero_on and zero_on[0] == kind and rank in zero_on[2]:
+        grads[zero_on[1]] = torch.zeros_like(grads[zero_on[1]])
+    return grads
 
 
 def probe(impl, case, rank: int, dp: int, ep: int, dp_group, world_group, device=None) -> dict:

@@ -119,24 +119,40 @@ def check_aux_properties(loss_fn) -> None:
 
 # --- exercises 3 and 4 on threads ------------------------------------------------------------------------------
 
-def rehearse_dispatch(path: str, world_size: int, cases, groups: int = 1) -> list[dict]:
+def _layout(groups, size: int, what: str) -> list[list[int]]:
+    """Groups of thread ranks, each a list in group-rank order: ``groups`` a count (blocks of ``size`` consecutive
+    ranks) or the lists themselves (every thread rank once, ``size`` in each)."""
+    if isinstance(groups, int):
+        return [list(range(g * size, (g + 1) * size)) for g in range(groups)]
+    layout = [list(g) for g in groups]
+    if any(len(g) != size for g in layout) or sorted(r for g in layout for r in g) != list(range(len(layout) * size)):
+        raise ValueError(f"{what}: groups {layout} must each hold {size} thread ranks, every rank "
+                         f"0..{len(layout) * size - 1} once")
+    return layout
+
+
+def rehearse_dispatch(path, world_size: int, cases, groups=1) -> list[dict]:
     """Exercise 3 on ``world_size`` threads standing in for ranks: every rank's record (values, rows, gradients,
     and the rehearsal's all_to_all_single calls with their bytes). [] when the rehearsal cannot emulate what the
     code calls (a collective it lacks, or a torch.distributed name bound before it: ``from torch.distributed import
-    all_to_all_single``); the real run then decides, as in labs 05 and 07.
+    all_to_all_single``); the real run then decides, as in labs 05 and 07. ``path``: the exercise file, or the module
+    already loaded (the same module for several calls in a row).
     ``groups`` > 1: ``groups x world_size`` threads, each block of ``world_size`` consecutive ranks its own
-    expert-parallel group of ``world_size`` ranks (as on a dp x ep mesh), every group running the same case."""
+    expert-parallel group of ``world_size`` ranks (as on a dp x ep mesh), every group running the same case; or the
+    groups as lists of thread ranks in group-rank order (every other rank; one group in reversed order)."""
     from lablib.probes.rehearsal import RehearsalUnsupported, run_in_thread_ranks
 
-    impl = load_impl(path, "dispatch")
-    blocks = [group_rehearsal.ThreadGroup(range(g * world_size, (g + 1) * world_size)) for g in range(groups)]
+    impl = load_impl(path, "dispatch") if isinstance(path, str) else path
+    layout = _layout(groups, world_size, "rehearse_dispatch")
+    where = {t: (group_rehearsal.ThreadGroup(g), i) for g in layout for i, t in enumerate(g)}
+    threads = len(layout) * world_size
     records = []
     try:
         for case in cases:
-            calls: list[list] = [[] for _ in range(groups * world_size)]      # per thread rank: (name, bytes)
+            calls: list[list] = [[] for _ in range(threads)]      # per thread rank: (name, bytes)
             records += run_in_thread_ranks(
-                groups * world_size, lambda r: ep_dispatch.probe(impl, case, r % world_size, world_size,
-                                                                 blocks[r // world_size], thread_calls=calls[r]),
+                threads, lambda r: ep_dispatch.probe(impl, case, where[r][1], world_size, where[r][0],
+                                                     thread_calls=calls[r]),
                 more_fakes=lambda world, local: group_rehearsal.fakes(world, local, calls))
     except RehearsalUnsupported:
         return []
@@ -153,20 +169,28 @@ def _stepped_aside(records: list[dict]) -> list[dict]:
     return records
 
 
-def rehearse_grads(path: str, mesh: str, cases) -> list[dict]:
-    """Exercise 4 on dp x ep threads (``mesh`` 'DPxEP'), each with its own dp group and the world group."""
+def rehearse_grads(path, mesh: str, cases, worlds=1) -> list[dict]:
+    """Exercise 4 on dp x ep threads (``mesh`` 'DPxEP'), each with its own dp group and the world group. ``path``: the
+    exercise file or the module already loaded. ``worlds``: how many meshes side by side (blocks of dp x ep
+    consecutive threads, each its own world group, as two pipeline stages are), or their thread ranks as lists in
+    world-rank order (every other rank); a mesh position is the rank within its world."""
     from lablib.probes.rehearsal import RehearsalUnsupported, run_in_thread_ranks
 
-    impl = load_impl(path, "ep_dp")
+    impl = load_impl(path, "ep_dp") if isinstance(path, str) else path
     dp, ep = ep_grads.parse_mesh(mesh)
     dp_groups, _ = ep_grads.mesh_groups(dp, ep)
-    world = group_rehearsal.ThreadGroup(range(dp * ep))
+    layout = _layout(worlds, dp * ep, "rehearse_grads")
+    where = {t: (w, i) for w in layout for i, t in enumerate(w)}
+
+    def one_rank(t, case):
+        w, i = where[t]
+        return ep_grads.probe(impl, case, i, dp, ep, group_rehearsal.ThreadGroup([w[j] for j in dp_groups[i % ep]]),
+                              group_rehearsal.ThreadGroup(w))
     records = []
     try:
         for case in cases:
-            records += run_in_thread_ranks(
-                dp * ep, lambda r: ep_grads.probe(impl, case, r, dp, ep, group_rehearsal.ThreadGroup(dp_groups[r % ep]),
-                                                  world), more_fakes=group_rehearsal.fakes)
+            records += run_in_thread_ranks(len(layout) * dp * ep, lambda t: one_rank(t, case),
+                                           more_fakes=group_rehearsal.fakes)
     except RehearsalUnsupported:
         return []
     return _stepped_aside(records)

@@ -82,6 +82,16 @@ WRONG_ANSWERS = {
                                "return self.sharded_optimizer_cls(params, optimizer_class=optimizer_cls, **hyper)"))),
     ],
     "full_from_shards": [
+        ("the caller's dict of shards consumed (shards.pop as each is placed, to free it): kept full marks before the "
+         "arguments were compared after the call (issue 42)", _changed("full_from_shards", (
+            "    for coord, shard in shards.items():\n",
+            "    for coord in list(shards):\n        shard = shards.pop(coord)                 # each shard freed as soon as "
+            "it is placed\n"))),
+        ("every placement Replicate: one coordinate's shard returned as the full tensor, the caller's own tensor (kept "
+         "full marks before the aliasing check of issue 42)", _changed("full_from_shards", (
+            "    first = next(iter(shards.values()))\n",
+            "    first = next(iter(shards.values()))\n    if all(isinstance(p, Replicate) for p in placements):\n"
+            "        return first                              # every coordinate holds the whole tensor\n"))),
         ("splits evenly, D // n rows per rank (the remainder lost)", _changed(
             "full_from_shards", ("chunk = -(-size[d] // mesh_shape[k])", "chunk = size[d] // mesh_shape[k]"))),
         ("forgets that a second mesh dimension splits each chunk again (offsets from the whole size)", _changed(

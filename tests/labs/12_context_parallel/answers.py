@@ -73,6 +73,19 @@ WRONG_ANSWERS = {
             ("    return out, lse\n", "    scores = torch.cat(kept_scores, -1)\n"
              "    out = torch.matmul(torch.softmax(scores, -1), torch.cat(kept_values, -2)).to(q.dtype)\n"
              "    return out, torch.logsumexp(scores, -1)\n"))),
+        ("masked scores set to -1e4 (as older transformer code does) instead of -inf: the same as -inf while every "
+         "query sees a score above -1e4, wrong when scores reach -1e4 (kept full marks before the extremes of issue 42: "
+         "the cases stopped at scores near 100)", _changed(
+            "cp_ring_forward", ("            scores = scores.masked_fill(~visible, -math.inf)",
+                                "            scores = scores.masked_fill(~visible, -1e4)"))),
+        ("every transfer waited once after the loop, each received block used before its wait (wrong whenever the "
+         "neighbour is a step behind; caught before only when the thread ranks happened to race, now on every run: "
+         "receives land only when waited, issue 42)", _changed(
+            "cp_ring_forward", ("    my_pos = positions[rank]\n", "    my_pos = positions[rank]\n    pending = []\n"),
+            ("            for work in works:\n                work.wait()\n            block = incoming\n",
+             "            pending += works                                    # waited once, after the loop: more overlap\n"
+             "            block = incoming\n"),
+            ("    return out, lse\n", "    for work in pending:\n        work.wait()\n    return out, lse\n"))),
     ],
     "cp_ring_backward": [
         ("the dK/dV accumulators never make the last hop home: rank r returns rank r+1's gradients", _changed(
@@ -93,6 +106,18 @@ WRONG_ANSWERS = {
         ("no overlap: the next K/V posted after the block's products", _changed(
             "cp_ring_backward", (_BWD_POST, ""),
             ("        # pass this block's accumulators on", _BWD_POST + "        # pass this block's accumulators on"))),
+        ("masked scores set to -1e4 instead of -inf: P = exp(s - lse) of a masked key is 0 only while lse is well above "
+         "-1e4 (kept full marks before the extremes of issue 42)", _changed(
+            "cp_ring_backward", ("            scores = scores.masked_fill(~(my_pos[:, None] >= positions[src][None, :]), -math.inf)",
+                                 "            scores = scores.masked_fill(~(my_pos[:, None] >= positions[src][None, :]), -1e4)"))),
+        ("delta computed in place in the caller's out (out.mul_(grad_out)): no temporary, but the forward's output the "
+         "caller keeps is overwritten (kept full marks before issue 42: only q, k, v and grad_out were compared)", _changed(
+            "cp_ring_backward", ("    delta = (grad_out * out).sum(-1, keepdim=True)               # rowsum(dO * O): (B, H, T_r, 1)",
+                                 "    delta = out.mul_(grad_out).sum(-1, keepdim=True)             # rowsum(dO * O), in place"))),
+        ("lse.unsqueeze_(-1) on the caller's lse (its shape changes under the caller; kept full marks before issue 42)",
+         _changed("cp_ring_backward",
+                  ("    my_pos = positions[rank]\n", "    my_pos = positions[rank]\n    lse.unsqueeze_(-1)\n"),
+                  ("        probs = torch.exp(scores - lse[..., None])", "        probs = torch.exp(scores - lse)"))),
     ],
     "cp_zigzag": [
         ("rank r holds chunks r and N + r (striped, not mirrored): the causal work stays unbalanced", _changed(
@@ -118,6 +143,13 @@ WRONG_ANSWERS = {
         ("torch.chunk for the 2N chunks: fewer chunks when 2N does not divide T evenly (visible case (10, 3))", _changed(
             "cp_zigzag", ("torch.tensor_split(torch.arange(seq_len), 2 * world_size)",
                           "torch.chunk(torch.arange(seq_len), 2 * world_size)"))),
+        ("zigzag_positions memoised with functools.lru_cache: every call returns the same tensors, so a caller that "
+         "shifts its positions in place (a second packed sequence) changes every later call's (kept full marks before "
+         "the steps of issue 42)", _changed(
+            "cp_zigzag", ("import torch\n", "import functools\n\nimport torch\n"),
+            ("def zigzag_positions(seq_len, world_size):",
+             "@functools.lru_cache(maxsize=None)                 # the same split every time: compute it once\n"
+             "def zigzag_positions(seq_len, world_size):"))),
     ],
     "cp_ulysses": [
         ("the all-to-all cut along the wrong dimension: heads dealt round-robin (rank j gets heads j, j + N, ...)", _changed(
@@ -151,6 +183,16 @@ WRONG_ANSWERS = {
                                  "    return recv.permute"))),
         ("the head-count check refuses a single rank (N < 2) as well: wrong at world size 1 (hidden case)", _changed(
             "cp_ulysses", ("    if H % n:\n        raise ValueError(", "    if H % n or n < 2:\n        raise ValueError("))),
+        ("the local attention written by hand as exp(s) / sum exp(s), without subtracting the row's max: overflows "
+         "float32 at scores near 89 (kept full marks before the extremes of issue 42: the Ulysses cases stopped at "
+         "scores near 3)", _changed(
+            "cp_ulysses", ("    out = F.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=causal)\n",
+                           "    scores = q_h @ k_h.transpose(-2, -1) / q_h.shape[-1] ** 0.5\n"
+                           "    if causal:\n"
+                           "        T = scores.shape[-1]\n"
+                           "        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float('-inf'))\n"
+                           "    weights = scores.exp()\n"
+                           "    out = (weights / weights.sum(-1, keepdim=True)) @ v_h\n"))),
     ],
     "ulysses_bytes_answer": [
         ("both move K and V once: the same bytes", _changed("ulysses_bytes_answer", ('"c"', '"a"'))),

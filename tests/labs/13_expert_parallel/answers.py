@@ -73,6 +73,16 @@ WRONG_ANSWERS = {
     by_priority = expert_index.t().reshape(-1)
     fits = torch.arange(by_priority.numel()) < capacity * num_experts
     return fits.view(expert_index.shape[1], -1).t().contiguous()''')),
+        ("the mask cached by (shape, experts, capacity), since a training step's batch has the same shape every step: "
+         "the second step gets the first step's mask (kept full marks before the three routing steps of issue 42)",
+         _changed("moe_routing",
+                  ("import torch\n", "import torch\n\n_PLANS = {}   # (shape, experts, capacity) -> mask: a training "
+                                     "step's batch has the same shape every step\n"),
+                  ("    by_priority = expert_index.t().reshape(-1)",
+                   "    key = (tuple(expert_index.shape), num_experts, capacity)\n    if key in _PLANS:\n"
+                   "        return _PLANS[key]\n    by_priority = expert_index.t().reshape(-1)"),
+                  ("    return fits.view(expert_index.shape[1], -1).t().contiguous()",
+                   "    _PLANS[key] = fits.view(expert_index.shape[1], -1).t().contiguous()\n    return _PLANS[key]"))),
     ],
     "moe_aux_loss": [
         ("P_i from the chosen experts' probabilities only (the top-k gates), not the softmax over all experts",
@@ -152,6 +162,19 @@ WRONG_ANSWERS = {
                       "            total = p.grad.clone()\n"
                       "            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)\n"
                       "            p.grad = total / world"))),
+        ("the dense gradients reduced over dist.group.WORLD (\"they are on every rank\"), not the world_group given: "
+         "wrong when the MoE layer's world is a part of the job, e.g. one pipeline stage (kept full marks before the "
+         "other world groups of issue 42)", _changed("ep_dp", (
+            "    for params, group in ((dense_params, world_group), (expert_params, dp_group)):",
+            "    for params, group in ((dense_params, dist.group.WORLD), (expert_params, dp_group)):   # dense: on every rank"))),
+        ("divided by dist.get_world_size() of the default group, not of world_group (kept full marks before the other "
+         "world groups of issue 42)", _changed("ep_dp", (
+            "    world = dist.get_world_size(world_group)", "    world = dist.get_world_size()"))),
+        ("all-zero gradients skipped as nothing to reduce: after zero_grad(set_to_none=False) a parameter no token of "
+         "this rank reached holds zeros here and values elsewhere, so the ranks' all-reduces no longer match (kept full "
+         "marks before the gradient starts of issue 42)", _changed("ep_dp", (
+            "            if p.grad is None:                  # frozen, or never reached: nothing to reduce",
+            "            if p.grad is None or not p.grad.any():   # frozen, never reached, or all zeros: nothing to reduce"))),
     ],
     "dispatch_bytes_answer": [
         ("(c): counts the rank's own block as sent away", 'dispatch_bytes_answer = "c"'),
