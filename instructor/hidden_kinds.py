@@ -136,6 +136,24 @@ _TABLE = [
         steps="applying FSDP2 is one call; the torchrun runs train the result for several steps and count its "
               "collectives per step"),
     _ex("05_gpt_migration", "pick_strategy", value_answer=True),
+    # --- lab 07 ---
+    _ex("07_zero_from_scratch", "sharded_optimizer", ("gradients", "communication"),
+        readiness="step() starts its broadcasts after the backward is over, when every gradient is complete: the "
+                  "order autograd finished them in cannot reach the answer"),
+    _ex("07_zero_from_scratch", "zero2", ("gradients", "communication"),
+        readiness="step() reduce-scatters one flat gradient, laid out in registration order, after the backward is "
+                  "over: the order autograd finished the gradients in cannot reach the answer"),
+    _ex("07_zero_from_scratch", "zero3", ("gradients", "communication"),
+        inputs="ZeRO3 is given the model and its blocks to re-point their parameters at its own buffers and free "
+               "them between uses: changing them is the exercise; the probe checks what they then compute (losses, "
+               "gradients, the update)",
+        aliasing="the constructor returns the object itself and its methods return nothing: no container comes "
+                 "back whose entries could alias",
+        steps="the probe drives every case three or four steps on the same object and checks "
+              "each step's gradient, update, collectives and bytes held",
+        gradients="the class creates and clears the shards' gradients itself (zero_grad and the reduce-scatter "
+                  "are its own code); what an accumulating loop leaves, a second backward before step(), is the "
+                  "hidden 'accum' case, checked against the mean of every backward"),
     _ex("09_pipeline_parallel", "schedules"),
     _ex("09_pipeline_parallel", "pipeline_engine", ("communication",),
         readiness="the order of the sends is the schedule the test passes (GPipe, 1F1B and other cases, a different "
