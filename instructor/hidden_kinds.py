@@ -154,6 +154,21 @@ _TABLE = [
         gradients="the class creates and clears the shards' gradients itself (zero_grad and the reduce-scatter "
                   "are its own code); what an accumulating loop leaves, a second backward before step(), is the "
                   "hidden 'accum' case, checked against the mean of every backward"),
+    # --- lab 08 ---
+    _ex("08_tensor_parallel", "tp_f_g", ("communication", "topology"),
+        readiness="f and g each all-reduce one tensor when autograd reaches them: there is no bucket of several "
+                  "gradients whose completion order the answer could depend on"),
+    _ex("08_tensor_parallel", "tp_mlp", ("communication", "topology"),
+        steps="the probe trains every class three SGD steps on the same object (one in bf16) and compares each "
+              "step's output, gradients and weights with the single process's",
+        readiness="the layers call f and g once each per pass, on one activation: no bucket of several gradients "
+                  "whose completion order the answer could depend on"),
+    _ex("08_tensor_parallel", "tp_attention", ("communication", "topology", "numerics"),
+        steps="the probe trains the layer three SGD steps on the same object (one in bf16) and compares each "
+              "step's output, gradients and weights with the single process's",
+        readiness="the layer calls f and g once each per pass, on one activation: no bucket of several gradients "
+                  "whose completion order the answer could depend on"),
+    _ex("08_tensor_parallel", "forward_bytes_answer", value_answer=True),
     _ex("09_pipeline_parallel", "schedules"),
     _ex("09_pipeline_parallel", "pipeline_engine", ("communication",),
         readiness="the order of the sends is the schedule the test passes (GPipe, 1F1B and other cases, a different "
@@ -383,6 +398,17 @@ class HiddenCheck:
             checks.check_true(any(_holds(r, self.CUDA_MARKER) for r in restored),
                               f"{what}: loading it did not restore the GPU's random generator state",
                               hint="torch.cuda.set_rng_state_all(...) with what was saved, when a GPU is there")
+
+    # --- topology: groups formed beside each other --------------------------------------------------------------
+    def subgroups(self, world_size: int, size: int) -> list[list[int]]:
+        """The ranks of world_size // size groups of ``size`` consecutive ranks, to be formed at once: none is the
+        default group, and in every group but the first a rank's place in its group differs from its global rank (an
+        answer that uses the default group instead of the one it is given, or dist.get_rank() for its place in it, is
+        wrong there)."""
+        if size < 2 or world_size % size or world_size == size:
+            raise ValueError(f"{world_size} ranks do not split into several groups of {size} (>= 2) ranks")
+        self._mark("topology")
+        return [list(range(first, first + size)) for first in range(0, world_size, size)]
 
 
 class _FakeCuda:

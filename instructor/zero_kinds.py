@@ -4,11 +4,14 @@ The student's ``ShardedOptimizer`` or ``ZeRO2`` on two ranks that are threads of
 (``lablib.probes.rehearsal``): built through ``HiddenCheck.call`` (the constructor leaves the caller's parameters as
 they were), then driven three steps on the same object (``HiddenCheck.steps``), once from each state a training loop
 may leave ``.grad`` in besides None (``HiddenCheck.gradient_starts``): zero tensors after
-``zero_grad(set_to_none=False)``, and the sum of two backwards (gradient accumulation over two micro-batches).
+``zero_grad(set_to_none=False)``, and the sum of two backwards of the step's loss (as a loop accumulating over
+micro-batches leaves it).
 After every step each parameter, on every rank, must equal plain ``torch.optim.AdamW``'s bit for bit, stepped on the
 gradient the loop left: rank 0's for ``ShardedOptimizer`` (every rank gets the same one, as in the probe), the mean
 over the ranks for ``ZeRO2``. On 2 ranks that mean, (a + b) / 2, has one rounding in any order of adding (the sum of
-two numbers is commutative and the division by 2 exact), so any correct reduce-scatter gives these bits.
+two numbers is commutative, and the division by 2 is exact unless the result is subnormal, which these gradients,
+7e-6 to 0.7 in magnitude where not 0, never are), so any correct reduce-scatter gives these bits, dividing before or
+after the sum.
 """
 
 from __future__ import annotations
