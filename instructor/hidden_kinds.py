@@ -168,6 +168,39 @@ _TABLE = [
         readiness="the loop's only collective of its own is gather_for_metrics of one tensor per evaluation; the "
                   "gradient all-reduces are those of the DDP that accelerator.prepare builds, whose buckets the "
                   "answer never sees"),
+    # --- lab 07 ---
+    _ex("07_zero_from_scratch", "sharded_optimizer", ("gradients", "communication"),
+        readiness="step() starts its broadcasts after the backward is over, when every gradient is complete: the "
+                  "order autograd finished them in cannot reach the answer"),
+    _ex("07_zero_from_scratch", "zero2", ("gradients", "communication"),
+        readiness="step() reduce-scatters one flat gradient, laid out in registration order, after the backward is "
+                  "over: the order autograd finished the gradients in cannot reach the answer"),
+    _ex("07_zero_from_scratch", "zero3", ("gradients", "communication"),
+        inputs="ZeRO3 is given the model and its blocks to re-point their parameters at its own buffers and free "
+               "them between uses: changing them is the exercise; the probe checks what they then compute (losses, "
+               "gradients, the update)",
+        aliasing="the constructor returns the object itself and its methods return nothing: no container comes "
+                 "back whose entries could alias",
+        steps="the probe drives every case three or four steps on the same object and checks "
+              "each step's gradient, update, collectives and bytes held",
+        gradients="the class creates and clears the shards' gradients itself (zero_grad and the reduce-scatter "
+                  "are its own code); what an accumulating loop leaves, a second backward before step(), is the "
+                  "hidden 'accum' case, checked against the mean of every backward"),
+    # --- lab 08 ---
+    _ex("08_tensor_parallel", "tp_f_g", ("communication", "topology"),
+        readiness="f and g each all-reduce one tensor when autograd reaches them: there is no bucket of several "
+                  "gradients whose completion order the answer could depend on"),
+    _ex("08_tensor_parallel", "tp_mlp", ("communication", "topology"),
+        steps="the probe trains every class three SGD steps on the same object (one in bf16) and compares each "
+              "step's output, gradients and weights with the single process's",
+        readiness="the layers call f and g once each per pass, on one activation: no bucket of several gradients "
+                  "whose completion order the answer could depend on"),
+    _ex("08_tensor_parallel", "tp_attention", ("communication", "topology", "numerics"),
+        steps="the probe trains the layer three SGD steps on the same object (one in bf16) and compares each "
+              "step's output, gradients and weights with the single process's",
+        readiness="the layer calls f and g once each per pass, on one activation: no bucket of several gradients "
+                  "whose completion order the answer could depend on"),
+    _ex("08_tensor_parallel", "forward_bytes_answer", value_answer=True),
     _ex("09_pipeline_parallel", "schedules"),
     _ex("09_pipeline_parallel", "pipeline_engine", ("communication",),
         readiness="the order of the sends is the schedule the test passes (GPipe, 1F1B and other cases, a different "
@@ -460,6 +493,17 @@ class HiddenCheck:
         return {"halves": [list(range(half)), list(range(half, world_size))],
                 "strided": [list(range(0, world_size, 2)), list(range(1, world_size, 2))],
                 "reversed": [list(range(world_size))[::-1]]}
+
+    # --- topology: groups formed beside each other --------------------------------------------------------------
+    def subgroups(self, world_size: int, size: int) -> list[list[int]]:
+        """The ranks of world_size // size groups of ``size`` consecutive ranks, to be formed at once: none is the
+        default group, and in every group but the first a rank's place in its group differs from its global rank (an
+        answer that uses the default group instead of the one it is given, or dist.get_rank() for its place in it, is
+        wrong there)."""
+        if size < 2 or world_size % size or world_size == size:
+            raise ValueError(f"{world_size} ranks do not split into several groups of {size} (>= 2) ranks")
+        self._mark("topology")
+        return [list(range(first, first + size)) for first in range(0, world_size, size)]
 
 
 class _LateReceives:

@@ -393,3 +393,13 @@ def test_other_groups_are_not_the_default_and_catch_the_world_rank_used_as_the_g
     assert wrong == {"halves": False, "strided": True, "reversed": True}
     with pytest.raises(ValueError, match="even world_size"):
         hk.other_groups(3)
+def test_subgroups_are_several_groups_none_the_default_and_mark_topology():
+    hk = _check(("topology",))
+    assert hk.subgroups(4, 2) == [[0, 1], [2, 3]] and "topology" in hk.applied
+    assert hk.subgroups(6, 3) == [[0, 1, 2], [3, 4, 5]]
+    # an answer that takes the global rank for its place in the group indexes past the group on ranks 2 and 3
+    groups = hk.subgroups(4, 2)
+    assert [rank for g in groups for rank in g if rank >= len(g)] == [2, 3]
+    for bad in ((4, 4), (5, 2), (4, 1)):
+        with pytest.raises(ValueError, match="do not split"):
+            hk.subgroups(*bad)

@@ -19,17 +19,23 @@ CLASSES = {"zero1": "ShardedOptimizer", "zero2": "ZeRO2", "zero3": "ZeRO3"}
 
 class Stack(nn.Module):
     """d_in -> widths... -> 1, tanh between: a weight (big) and a bias (small) per layer, so assigning
-    parameters round-robin by count puts the weights on some ranks and the biases on the others."""
+    parameters round-robin by count puts the weights on some ranks and the biases on the others. ``order``: the
+    forward runs the layers in that order (all of width d_in), not the order they were registered in, so their
+    gradients become ready in the reverse of it."""
 
-    def __init__(self, d_in: int, widths: tuple[int, ...]):
+    def __init__(self, d_in: int, widths: tuple[int, ...], order: tuple[int, ...] = ()):
         super().__init__()
         dims = (d_in, *widths)
+        if order and (sorted(order) != list(range(len(widths))) or set(widths) != {d_in}):
+            raise ValueError(f"order {order} must be a permutation of the {len(widths)} layers, all of width d_in "
+                             f"{d_in} (widths {widths})")
+        self.order = tuple(order) or tuple(range(len(widths)))
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.head = nn.Linear(dims[-1], 1)
 
     def forward(self, x):                      # x: (batch, d_in) -> (batch, 1)
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
+        for i in self.order:
+            x = torch.tanh(self.layers[i](x))
         return self.head(x)
 
 
@@ -44,6 +50,7 @@ class Case:
     frozen: tuple[int, ...] = ()   # layers that do not require gradients (not trained): (0,) the first, (1,) one
                                    # after a trained layer, whose backward still runs (its input's gradient)
     steps: int = 10           # optimizer steps (at most): the hidden cases' properties show in 3
+    order: tuple[int, ...] = ()    # the order the forward runs the layers in (Stack's), when not registration order
 
 
 CASES = {
@@ -67,7 +74,7 @@ def dtype_of(case: Case) -> torch.dtype:
 def build(case: Case, seed: int) -> Stack:
     with _SEEDED:
         torch.manual_seed(seed)
-        model = Stack(case.d_in, case.widths).to(dtype_of(case))
+        model = Stack(case.d_in, case.widths, case.order).to(dtype_of(case))
     for i in case.frozen:
         model.layers[i].requires_grad_(False)
     return model

@@ -35,14 +35,14 @@ from lablib.measure.memory import unique_storage_bytes
 from lablib.measure.rankcheck import FP32_UNIT_ROUNDOFF, bound_ratio, formula_rtol
 from lablib.jobs.distenv import gather_objects
 from lablib.probes.harness import default_group
-from lablib.labs.zero_from_scratch.cases import CASES as STACK_CASES, LR, WEIGHT_DECAY, error_in_impl, micro_batches
+from lablib.labs.zero_from_scratch.cases import LR, WEIGHT_DECAY, error_in_impl, micro_batches
 from lablib.labs.zero_from_scratch.step_checks import (GradientTap, check_gradient_then_update, check_ran, mean_gradient_and_bound,
                                        mixed_mean_gradient_and_bound)
 from lablib.labs.zero_from_scratch.comm import bytes_by_kind, check_bus_ratio, check_collectives, recording, rehearse_with
 from lablib.labs.zero_from_scratch.held import gather_shards, held_bytes
 
 from lablib.labs.zero_from_scratch.zero3_cases import (CASES, DTYPES, build_case, fsdp2_losses, loss_of, mean_over_ranks,  # noqa: F401
-                                       my_batch, parse_case)
+                                       my_batch, parse_case, stack_case)
 
 
 class GatheredMeter:
@@ -97,7 +97,7 @@ def probe(impl, case: str, env, group=None, steps: int = 4, per_rank: int = 2, s
     model, blocks = build_case(case, seed)
     reference, _ = build_case(case, seed)
     model.to(env.device), reference.to(env.device)
-    stack = STACK_CASES.get(case)
+    stack = stack_case(case)
     steps = min(steps, stack.steps) if stack else steps
     n_micro = stack.micro_batches if stack else 1
     dtype = next(model.parameters()).dtype

@@ -29,6 +29,14 @@ WRONG_ANSWERS = {
                                   "                    pass"))),
         ("every parameter broadcast from rank 0, not from its owner", _changed(
             "sharded_optimizer", ("dist.broadcast(p, src=self.owner[p])", "dist.broadcast(p, src=0)"))),
+        # Issue 42 (instructor/hidden_kinds.py's gradients kind): full marks before it (every probe calls zero_grad()
+        # with no argument); a loop's opt.zero_grad(set_to_none=False) now fails on it.
+        ("zero_grad overridden to clear only this rank's (the inner optimizer's) parameters, without set_to_none",
+         _changed("sharded_optimizer", ("    def step(self, closure=None):\n",
+                                        "    def zero_grad(self):\n"
+                                        "        self.inner.zero_grad()                    # only my parameters' "
+                                        "gradients matter here\n\n"
+                                        "    def step(self, closure=None):\n"))),
     ],
     "zero2": [
         ("a padding element leaks into the update: shard r starts at r * (numel // N), not r * S", _changed(
@@ -186,3 +194,12 @@ WRONG_ANSWERS["zero3"].append(
     ("the unit's all-gather started with async_op=True and never waited", _changed("zero3", (
         _GATHER, _GATHER[:-1] + ", async_op=True)   # overlap: started, never waited"))))
 # (The same call waited at once is the first of CORRECT_VARIANTS["zero3"].)
+# Issue 42 (instructor/hidden_kinds.py's readiness kind): FSDP2's "keep the last block, whose backward comes first"
+# written with the registration order for the execution order. Full marks before it (in every case the last block
+# registered runs last, so only it and the root are ever gathered together); on blocks run in another order it stays
+# gathered while later ones run.
+WRONG_ANSWERS["zero3"].append(
+    ("the last block registered kept gathered after its forward (its backward is taken to come first)", _changed(
+        "zero3", ("        self.free(unit)\n\n    def before_backward",
+                  "        if unit is not self.units[-1]:   # the last block's backward comes first: keep it\n"
+                  "            self.free(unit)\n\n    def before_backward"))))

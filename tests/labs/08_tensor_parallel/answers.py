@@ -90,6 +90,17 @@ def g(x, group):
         ("f and g taken from the course repository's instructor package (importable where the grader runs): lab 08 "
          "keeps no f and g there, the import fails", _f_g_replaced(
             "from instructor.references.tensor_parallel import reference_f as f, reference_g as g  # noqa: E402")),
+        # Issue 42 (instructor/hidden_kinds.py's steps kind): full marks before it (every probe calls g once per
+        # input case, and each case's output is checked before the next call); three calls in a row now see the
+        # first output overwritten by the second.
+        ("g all-reduces into one buffer per shape and dtype, allocated once and returned on every call (Megatron "
+         "keeps a global buffer too)", _changed(
+            "tp_f_g", ("        total = x.contiguous().clone()             # never all-reduce the caller's tensor in place\n",
+                       "        key = (tuple(x.shape), x.dtype, x.device)\n"
+                       "        if key not in _BUFFERS:                    # allocated once per shape, then reused\n"
+                       "            _BUFFERS[key] = torch.empty(x.shape, dtype=x.dtype, device=x.device)\n"
+                       "        total = _BUFFERS[key].copy_(x)\n"),
+            ("class ReduceFromTensorParallel(", "_BUFFERS = {}\n\n\nclass ReduceFromTensorParallel("))),
     ],
     "tp_mlp": [
         ("f moved from ColumnParallelLinear into the MLP (the MLP alone still computes the right thing)", _changed(
@@ -136,6 +147,16 @@ def g(x, group):
                              "            self.c_attn.weight.copy_(attn.c_attn.weight.detach()[order])"),
             ("                self.c_attn.bias.copy_(attn.c_attn.bias.detach().unflatten(0, (3, n_embd))[:, mine].flatten())",
              "                self.c_attn.bias.copy_(attn.c_attn.bias.detach()[order])"))),
+        # Issue 42 (instructor/hidden_kinds.py's extremes kind): full marks before it (at the probe's scale the
+        # scores stay far below 88.7); inputs scaled by 100 overflow exp and give inf / inf = nan.
+        ("the softmax written by its formula, exp(s) / sum(exp(s)), instead of torch's (which subtracts the row's "
+         "maximum first)", _changed(
+            "tp_attention", ("        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n",
+                             "        att = (q @ k.transpose(-2, -1)) / (q.size(-1) ** 0.5)                  # (B, h/N, T, T)\n"
+                             "        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)\n"
+                             "        att = att.masked_fill(causal, float(\"-inf\"))\n"
+                             "        att = att.exp() / att.exp().sum(-1, keepdim=True)                     # softmax, by its formula\n"
+                             "        y = att @ v\n"))),
     ],
     "forward_bytes_answer": [
         ("each rank holds half the activations at twice the ranks, so it sends half", _changed(
