@@ -5,12 +5,16 @@
 Four parts, one torchrun start, every variant trained from the same initial weights on the same batches
 (Tiny Shakespeare, each rank its contiguous half of every global batch):
 
-- ``timeline``: one step of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP, per rank
-  (``timeline``: perf_counter on the CPU, a profiler trace on GPUs), and the hidden fraction
-  by DDP's own definition, next to what DDP's reducer reports about itself (its iterations 1-10).
+- ``timeline``: steps of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP (with a Python hook that
+  timestamps its buckets), the three taking turns step by step, per rank (``timeline``: perf_counter on the CPU, a
+  profiler trace on GPUs), and the hidden fraction by DDP's own definition: per step (median and range) and as
+  DDP's logger computes it (mean overlap over mean communication, iterations 1-10), next to what DDP's reducer
+  reports about itself.
 - ``sweep``: median step time of ``DDPBucketed`` at bucket caps from one bucket per parameter to one bucket,
-  all caps taking turns step by step, with the parts the alpha-beta model needs measured in the same run:
-  forward, backward and optimizer time with no communication, and standalone all-reduces of several sizes;
+  all caps taking turns step by step (who goes first rotates), the benchmark's cap twice (the noise floor: each
+  cap's per-step ratio to that cap is judged against the twin's by ``timing.noise_verdict``), with the parts the
+  alpha-beta model needs measured in the same run: forward, backward and optimizer time with no communication,
+  and standalone all-reduces of several sizes (``allreduce_repeats`` each, the sizes taking turns);
   and, per cap, the same phases timed inside its own steps (what the model is not fed: hooks, copies, gloo's
   threads on the cores the backward runs on). Buckets are counted apart from the one usage-map all-reduce.
 - ``benchmark``: ``DDPBucketed`` against DDP at the same cap, paired: ``rounds`` rounds, each a few steps of
