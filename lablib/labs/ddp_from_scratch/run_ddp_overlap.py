@@ -5,12 +5,16 @@
 Four parts, one torchrun start, every variant trained from the same initial weights on the same batches
 (Tiny Shakespeare, each rank its contiguous half of every global batch):
 
-- ``timeline``: one step of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP, per rank
-  (``timeline``: perf_counter on the CPU, a profiler trace on GPUs), and the hidden fraction
-  by DDP's own definition, next to what DDP's reducer reports about itself (its iterations 1-10).
+- ``timeline``: steps of ``DDPIndividualParameters``, ``DDPBucketed`` and PyTorch's DDP (with a Python hook that
+  timestamps its buckets), the three taking turns step by step, per rank (``timeline``: perf_counter on the CPU, a
+  profiler trace on GPUs), and the hidden fraction by DDP's own definition: per step (median and range) and as
+  DDP's logger computes it (mean overlap over mean communication, iterations 1-10), next to what DDP's reducer
+  reports about itself.
 - ``sweep``: median step time of ``DDPBucketed`` at bucket caps from one bucket per parameter to one bucket,
-  all caps taking turns step by step, with the parts the alpha-beta model needs measured in the same run:
-  forward, backward and optimizer time with no communication, and standalone all-reduces of several sizes;
+  all caps taking turns step by step (who goes first rotates), the benchmark's cap twice (the noise floor: each
+  cap's per-step ratio to that cap is judged against the twin's by ``timing.noise_verdict``), with the parts the
+  alpha-beta model needs measured in the same run: forward, backward and optimizer time with no communication,
+  and standalone all-reduces of several sizes (``allreduce_repeats`` each, the sizes taking turns);
   and, per cap, the same phases timed inside its own steps (what the model is not fed: hooks, copies, gloo's
   threads on the cores the backward runs on). Buckets are counted apart from the one usage-map all-reduce.
 - ``benchmark``: ``DDPBucketed`` against DDP at the same cap, paired: ``rounds`` rounds, each a few steps of
@@ -60,7 +64,8 @@ class Config:
     batch_per_rank: int = 8                   # sequences per rank per step
     bucket_size_mb: float = 0.5               # the timeline's and the benchmark's cap, both classes and DDP
     sweep_caps_mb: tuple[float, ...] = (1e-6, 0.05, 0.1, 0.25, 0.5, 100.0)
-    sweep_rounds: int = 6                     # steps per cap (taking turns)
+    sweep_rounds: int = 8                     # steps per cap (taking turns, who goes first rotating)
+    allreduce_repeats: int = 30               # standalone all-reduces per size (sizes taking turns)
     timeline_steps: int = 12                  # DDP's logger averages iterations 1-10: at least 11
     rounds: int = 6                           # benchmark rounds (median of the per-round ratios; 3 orders x 2)
     steps_per_round: int = 4
@@ -71,7 +76,7 @@ class Config:
 
     def validate(self) -> None:
         cfg.require_at_least_one(self, "n_layer", "n_head", "n_embd", "block_size", "batch_per_rank", "sweep_rounds",
-                                 "rounds", "steps_per_round", "compression_steps")
+                                 "rounds", "steps_per_round", "compression_steps", "allreduce_repeats")
         known = {"timeline", "sweep", "benchmark", "compression"}
         if not set(self.parts) <= known:
             raise ValueError(f"parts={self.parts}: each must be one of {sorted(known)}")
@@ -80,6 +85,9 @@ class Config:
                              f"average of its iterations 1-10")
         if self.bucket_size_mb <= 0 or min(self.sweep_caps_mb) <= 0:
             raise ValueError(f"bucket caps must be positive MiB, got {self.bucket_size_mb} and {self.sweep_caps_mb}")
+        if "sweep" in self.parts and self.bucket_size_mb not in self.sweep_caps_mb:
+            raise ValueError(f"bucket_size_mb={self.bucket_size_mb} must be one of sweep_caps_mb={self.sweep_caps_mb}: "
+                             f"the sweep times that cap twice, as its noise floor")
         require_file(self.individual_impl)
         require_file(self.bucketed_impl)
 
@@ -164,9 +172,22 @@ def without_usage_map(step: dict, grad_bytes: int, n_params: int) -> dict:
 
 # --- timeline ----------------------------------------------------------------------------------------------------
 
+TIMELINE_VARIANTS = ("individual", "bucketed", "ddp")
+
+
+def ddp_style_fraction(steps: list[dict]) -> float | None:
+    """The hidden fraction as DDP's logger computes it: its mean overlap time over its mean communication time
+    (communication: first launch to last completion; overlap: the part of it before the compute's end), a ratio
+    of means over the steps given, not a median of per-step fractions."""
+    comm = [(min(a for a, _, _ in s["comm"]), max(b for _, b, _ in s["comm"]), s["compute_end"])
+            for s in steps if s["comm"]]
+    total = sum(end - start for start, end, _ in comm)
+    return sum(max(0.0, min(end, c) - start) for start, end, c in comm) / total if total > 0 else None
+
+
 def timeline(env, config: Config, impl, batches: Batches) -> dict:
-    out = {}
-    for variant in ("individual", "bucketed", "ddp"):
+    setups = {}
+    for variant in TIMELINE_VARIANTS:
         gpt = new_gpt(config, env)
         blocks = BlockTimes(gpt)
         recorder = counting.CollectiveLog()
@@ -179,35 +200,48 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
             p.register_post_accumulate_grad_hook(lambda _, ready=grad_ready: ready.append(time.perf_counter()))
         bucket_timer = None
         if variant == "ddp":
+            # A Python communication hook that timestamps each bucket's all-reduce (the benchmark's DDP has none).
             bucket_timer = scaling.BucketTimer()
             model.register_comm_hook(bucket_timer, scaling.BucketTimer.hook)
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
-        steps = []
-        # DDP's logger averages its iterations 1-10; every variant gets as many steps (the same spread to compare).
-        for step in range(config.timeline_steps):
-            batch = batches.rank_batch(step)
-            optimizer.zero_grad()
-            recorder.reset()
-            grad_ready.clear()
-            if bucket_timer is not None:
-                bucket_timer.start_step()
+        setups[variant] = SimpleNamespace(gpt=gpt, blocks=blocks, recorder=recorder, model=model, grad_ready=grad_ready,
+                                          bucket_timer=bucket_timer, steps=[],
+                                          optimizer=torch.optim.SGD(model.parameters(), lr=config.lr))
+    # The variants take turns step by step (who goes first rotates), so a burst of load from another program
+    # falls on all three rather than on whichever ran its steps at that moment.
+    # DDP's logger averages its iterations 1-10; every variant gets as many steps (the same spread to compare).
+    for step in range(config.timeline_steps):
+        batch = batches.rank_batch(step)
+        k = step % len(TIMELINE_VARIANTS)
+        for variant in TIMELINE_VARIANTS[k:] + TIMELINE_VARIANTS[:k]:
+            v = setups[variant]
+            v.optimizer.zero_grad()
+            v.recorder.reset()
+            v.grad_ready.clear()
+            if v.bucket_timer is not None:
+                v.bucket_timer.start_step()
             timing.barrier(env.device)
-            steps.append(record_step(env, model, batch, lambda: finish(model), optimizer, recorder, grad_ready,
-                                     blocks, bucket_timer))
-        timed = steps[1:]                      # iteration 0 builds buckets and warms caches
+            v.steps.append(record_step(env, v.model, batch, lambda m=v.model: finish(m), v.optimizer, v.recorder,
+                                       v.grad_ready, v.blocks, v.bucket_timer))
+    out = {}
+    for variant, v in setups.items():
+        timed = v.steps[1:]                    # iteration 0 builds buckets and warms caches
         if variant == "bucketed":
-            timed = [without_usage_map(s, *grad_bytes_and_count(gpt)) for s in timed]
+            timed = [without_usage_map(s, *grad_bytes_and_count(v.gpt)) for s in timed]
         fractions = [s["overlap_fraction"] for s in timed]
         mine = {"clock": "gpu profiler trace" if env.device.type == "cuda" else "cpu perf_counter",
                 "median_overlap_fraction": statistics.median(fractions), "overlap_fractions": fractions,
+                # DDP's own statistic on the same iterations it averages (1-10): mean overlap / mean communication
+                "ddp_style_overlap_fraction": ddp_style_fraction(timed[:10]),
                 # this rank's own forward + backward compute (the last gradient final): the ranks' imbalance
                 "median_compute_s": statistics.median(s["compute_end"] for s in timed),
                 # from the last gradient final to the gradients synchronized: what the backward did not hide
                 "median_tail_s": statistics.median(s["finish_end"] - s["compute_end"] for s in timed),
-                "step": timed[len(timed) // 2], "rank_median_step_s": statistics.median(s["end"] for s in timed),
+                # the drawn step: the middle one in time order (timed step len // 2), not the median step
+                "step": timed[len(timed) // 2], "step_index": len(timed) // 2 + 1,
+                "rank_median_step_s": statistics.median(s["end"] for s in timed),
                 "rank_step_s": [s["end"] for s in timed]}   # this rank's own: the timeline is per rank
         if variant == "ddp":
-            logged = model._get_ddp_logging_data()   # what DDP's logger reports about itself (ns)
+            logged = v.model._get_ddp_logging_data()   # what DDP's logger reports about itself (ns)
             comm_ns = logged.get("avg_backward_comm_time", 0)
             mine["ddp_self_report"] = {k: logged.get(k) for k in (
                 "avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
@@ -220,43 +254,50 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
 
 # --- bucket-size sweep ------------------------------------------------------------------------------------------
 
-def allreduce_times(env, sizes_bytes: list[int], repeats: int) -> list[float]:
-    """Median seconds of one standalone all-reduce of each size (slowest rank per repeat)."""
-    out = []
-    for n_bytes in sizes_bytes:
-        t = torch.ones(max(1, n_bytes // 4), device=env.device)
-        times = []
-        for _ in range(repeats + 1):
+def allreduce_times(env, sizes_bytes: list[int], repeats: int) -> list[list[float]]:
+    """Seconds of standalone all-reduces of each size (the slowest rank per repeat): ``[size][repeat]``.
+
+    The sizes take turns, repeat by repeat (which size goes first rotates), so a burst of load falls on all
+    sizes alike instead of on whichever size was being timed; one untimed warm-up round first."""
+    tensors = [torch.ones(max(1, n // 4), device=env.device) for n in sizes_bytes]
+    times = [[] for _ in sizes_bytes]
+    for rep in range(repeats + 1):
+        k = rep % len(sizes_bytes)
+        for i in list(range(k, len(sizes_bytes))) + list(range(k)):
             timing.barrier(env.device)
-            with timing.stopwatch(times, env.device):
-                dist.all_reduce(t)
-        out.append(timing.step_times(times, env.device, warmup=1)["median_step_s"])
-    return out
+            with timing.stopwatch(times[i], env.device):
+                dist.all_reduce(tensors[i])
+    return [timing.slowest_rank(t[1:], env.device) for t in times]
 
 
 def sweep(env, config: Config, impl, batches: Batches) -> dict:
     caps = list(config.sweep_caps_mb)
-    models = {cap: wrap("bucketed", impl, new_gpt(config, env), cap) for cap in caps}
-    optimizers = {cap: torch.optim.SGD(m.parameters(), lr=config.lr) for cap, m in models.items()}
+    # The arms: one per cap, and the benchmark's cap once more (a second model at the same cap): the noise floor,
+    # the same code timed against itself, its per-step ratio to its twin.
+    arms = list(range(len(caps))) + ["again"]
+    arm_cap = {**{i: c for i, c in enumerate(caps)}, "again": config.bucket_size_mb}
+    models = {a: wrap("bucketed", impl, new_gpt(config, env), arm_cap[a]) for a in arms}
+    optimizers = {a: torch.optim.SGD(m.parameters(), lr=config.lr) for a, m in models.items()}
     plain = new_gpt(config, env)                    # no communication: forward, backward, step timed apart
     plain_opt = torch.optim.SGD(plain.parameters(), lr=config.lr)
-    times = {cap: [] for cap in caps}
-    phases = {cap: {k: [] for k in PHASES} for cap in caps}   # the same phases inside each cap's own steps
+    times = {a: [] for a in arms}
+    phases = {a: {k: [] for k in PHASES} for a in arms}   # the same phases inside each cap's own steps
     parts = {"forward_s": [], "backward_s": [], "opt_s": []}
     buckets, usage_map = {}, {}
     grad_bytes, n_params = grad_bytes_and_count(plain)
     for step in range(config.sweep_rounds + 1):     # the first round is warm-up
         batch = batches.rank_batch(step)
-        for cap in caps:                             # the caps take turns, step by step
+        k = step % len(arms)
+        for a in arms[k:] + arms[:k]:                # the arms take turns, step by step; who goes first rotates
             timing.barrier(env.device)
             if step == 0:                            # warm-up: count the buckets (not timed), the usage map apart
                 with counting.count_collectives() as log:
-                    train_step(models[cap], optimizers[cap], batch)
+                    train_step(models[a], optimizers[a], batch)
                 sent = [c.bytes for c in log.calls if c.name == "all_reduce"]
                 positions, j = buckets_and_usage_map(sent, grad_bytes, n_params)
-                buckets[cap], usage_map[cap] = len(positions), j is not None
-            with timing.stopwatch(times[cap], env.device):
-                train_step(models[cap], optimizers[cap], batch, phases[cap] if step > 0 else None)
+                buckets[a], usage_map[a] = len(positions), j is not None
+            with timing.stopwatch(times[a], env.device):
+                train_step(models[a], optimizers[a], batch, phases[a] if step > 0 else None)
         plain_opt.zero_grad(set_to_none=True)
         timing.barrier(env.device)
         with timing.stopwatch(parts["forward_s"], env.device):
@@ -266,16 +307,29 @@ def sweep(env, config: Config, impl, batches: Batches) -> dict:
         with timing.stopwatch(parts["opt_s"], env.device):
             plain_opt.step()
     sizes = [2**k for k in range(10, 23, 2)]        # 1 kB .. 4 MB
-    steps = [timing.step_times(times[c], env.device, warmup=1) for c in caps]
-    return {"caps_mb": caps, "n_buckets": [buckets[c] for c in caps], "usage_map": [usage_map[c] for c in caps],
-            "grad_bytes": grad_bytes, "n_params": n_params,
-            "median_step_s": [t["median_step_s"] for t in steps], "step_s": [t["step_s"] for t in steps],
+    steps = {a: timing.step_times(times[a], env.device, warmup=1) for a in arms}
+    # Per step, each cap's time over the reference cap's (the benchmark's), and the reference's twin over it: the
+    # floor. The same rule as lab 01's table and the benchmark (timing.noise_verdict) decides what this run tells apart.
+    ref = caps.index(config.bucket_size_mb)
+    per_step = lambda a: [x / y for x, y in zip(steps[a]["step_s"], steps[ref]["step_s"])]
+    floor = per_step("again")
+    others = [i for i in range(len(caps)) if i != ref]
+    verdicts = [None if i == ref else timing.noise_verdict(per_step(i), floor, comparisons=len(others))
+                for i in range(len(caps))]
+    ar = allreduce_times(env, sizes, config.allreduce_repeats)
+    return {"caps_mb": caps, "n_buckets": [buckets[i] for i in range(len(caps))],
+            "usage_map": [usage_map[i] for i in range(len(caps))],
+            "grad_bytes": grad_bytes, "n_params": n_params, "reference_cap_mb": config.bucket_size_mb,
+            "median_step_s": [steps[i]["median_step_s"] for i in range(len(caps))],
+            "step_s": [steps[i]["step_s"] for i in range(len(caps))],
+            "ratio_to_reference": [per_step(i) for i in range(len(caps))], "floor_ratios": floor,
+            "again_step_s": steps["again"]["step_s"], "verdicts": verdicts,
             # per cap, each phase's median over its steps of the slowest rank. The phases need not add up to the
             # step: where one rank computes longer, the other waits for it in finish (the all-reduces pair them)
-            "phases_s": [{k: timing.step_times(v, env.device)["median_step_s"] for k, v in phases[c].items()}
-                         for c in caps],
+            "phases_s": [{k: timing.step_times(v, env.device)["median_step_s"] for k, v in phases[i].items()}
+                         for i in range(len(caps))],
             **{k: timing.step_times(v, env.device, warmup=1)["median_step_s"] for k, v in parts.items()},
-            "allreduce_bytes": sizes, "allreduce_s": allreduce_times(env, sizes, config.sweep_rounds)}
+            "allreduce_bytes": sizes, "allreduce_all_s": ar, "allreduce_s": [timing.median(t) for t in ar]}
 
 
 # --- benchmark ----------------------------------------------------------------------------------------------------
@@ -384,6 +438,9 @@ def run(env, config: Config) -> dict:
     if env.is_main and "sweep" in result:
         s = result["sweep"]
         s["alpha_s"], s["beta_s_per_byte"] = commcost.fit_alpha_beta(s["allreduce_bytes"], s["allreduce_s"])
+        # The fit's spread: the same fit on every third repeat, three ways (repeats 1, 4, 7, ...; 2, 5, 8, ...; ...).
+        thirds = [[statistics.median(t[j::3]) for t in s["allreduce_all_s"]] for j in range(3)]
+        s["alpha_beta_thirds"] = [commcost.fit_alpha_beta(s["allreduce_bytes"], t) for t in thirds]
     return result
 
 

@@ -16,9 +16,11 @@ talking only through ``comm``, a ``lablib.measure.p2p.CountingComm`` that counts
   The naive scheme (gather to rank 0, then broadcast) is counted on the same tensors, for comparison.
   ``world_sizes`` checks several world sizes in one launch: for each size w the ranks 0..w-1 form a gloo
   sub-group (the others wait), so 2, 3 and 4 ranks cost one torchrun start instead of three.
-- benchmark (``bench_bytes``, message sizes in bytes, float32): the student's ring, the naive scheme and
-  gloo's own ``dist.all_reduce``, interleaved, ``repeats`` times each after one warm-up; each repetition's
-  time is the slowest rank's.
+- benchmark (``bench_bytes``, message sizes in bytes, float32): the student's ring, the naive scheme,
+  gloo's own ``dist.all_reduce`` and gloo again (the noise floor: the same code against itself), taking turns
+  with who goes first rotating, ``repetitions`` times each after one warm-up; each repetition's time is the
+  slowest rank's. Per size the ratios per repetition (ring / gloo, naive / ring, gloo again / gloo) and a
+  verdict for each comparison against that floor (``timing.noise_verdict``).
 Each call runs under a watchdog: a rank stuck for ``deadlock_s`` (two blocking sends facing each other)
 fails with a message instead of hanging until the launcher's timeout.
 
@@ -53,7 +55,7 @@ class Config:
     dtypes: tuple[str, ...] = ("float32",)
     world_sizes: tuple[int, ...] = ()               # world sizes to check, each <= nproc (empty: nproc only)
     bench_bytes: tuple[int, ...] = ()               # message sizes in bytes to time (empty: no benchmark)
-    repeats: int = 5                                 # timed repetitions per size and method (x4 up to 1 MiB)
+    repeats: int = 5                                 # timed repetitions per size and method (x4 up to 1 MiB, x1.5 above)
     deadlock_s: float = 20.0                         # a single call taking longer than this is a deadlock
     seed: int = 0
 
@@ -172,30 +174,55 @@ def check_one(env, config: Config, ring_all_reduce, comm: CountingComm, sub, sha
             "element_size": x.element_size(), "ring": ring_counts, "naive": comm.counts()}
 
 
+BENCH_ARMS = ("ring", "naive", "gloo", "gloo_again")   # gloo twice: the noise floor, the same code against itself
+
+
+def repetitions(n_bytes: int, repeats: int) -> int:
+    """Timed repetitions of one size: 4x ``repeats`` up to 1 MiB (milliseconds, noisy on a shared machine), 1.5x
+    above; rounded up to whole rotations of the arms, so that each arm goes first equally often."""
+    wanted = math.ceil(repeats * (4 if n_bytes <= 2**20 else 1.5))
+    return math.ceil(wanted / len(BENCH_ARMS)) * len(BENCH_ARMS)
+
+
 def benchmark(env, config: Config, ring_all_reduce, group) -> dict:
     comm = CountingComm(env.rank, env.world_size, group)
     methods = {"ring": lambda t: ring_all_reduce(t, comm), "naive": lambda t: naive_all_reduce(t, comm),
-               "gloo": lambda t: dist.all_reduce(t, group=group)}
+               "gloo": lambda t: dist.all_reduce(t, group=group), "gloo_again": lambda t: dist.all_reduce(t, group=group)}
     times = {name: [] for name in methods}                       # name -> [size index][repetition] seconds
     for k, n_bytes in enumerate(config.bench_bytes):
         x = torch.randn(n_bytes // 4)
         buf = torch.empty_like(x)
         per_rep = {name: [] for name in methods}
-        # Small messages take milliseconds and are noisy on a shared machine: repeat them more often.
-        repeats = config.repeats * (4 if n_bytes <= 2**20 else 1)
-        for rep in range(repeats + 1):                          # repetition 0 is a warm-up
-            for name, fn in methods.items():                     # interleaved: all three see the same noise
+        for rep in range(repetitions(n_bytes, config.repeats) + 1):   # repetition 0 is a warm-up
+            # The arms take turns, and who goes first rotates with the repetition: the first of a repetition pays
+            # for what the machine did before (caches, a core just taken back), and that must not be one arm's.
+            j = rep % len(BENCH_ARMS)
+            for name in BENCH_ARMS[j:] + BENCH_ARMS[:j]:
                 buf.copy_(x)
                 timing.barrier(buf.device, group)
                 with timing.stopwatch(per_rep[name], buf.device), \
                         watchdog(env.rank, config.deadlock_s, f"{name} all-reduce of {n_bytes} bytes"):
-                    fn(buf)
+                    methods[name](buf)
         for name in methods:   # a collective ends with its slowest rank (lablib.measure.timing); repetition 0 is warm-up
             times[name].append(timing.slowest_rank(per_rep[name][1:], buf.device, group))
         script.progress(env, k + 1, len(config.bench_bytes), MB=n_bytes / 1e6)
     return {"n_bytes": list(config.bench_bytes),
             **{f"{name}_s": [timing.median(t) for t in times[name]] for name in methods},
-            **{f"{name}_all_s": times[name] for name in methods}}
+            **{f"{name}_all_s": times[name] for name in methods},
+            **compare(times)}
+
+
+def compare(times: dict) -> dict:
+    """Per size, per repetition: ring / gloo (= gloo's bus bandwidth over the ring's), naive / ring, and the noise
+    floor gloo again / gloo (the same code against itself, in the same units); each comparison judged by the
+    course's one rule (``timing.noise_verdict``), over the whole table (two comparisons per size)."""
+    ratio = lambda a, b: [[x / y for x, y in zip(ra, rb)] for ra, rb in zip(times[a], times[b])]
+    ring_gloo, naive_ring, floor = ratio("ring", "gloo"), ratio("naive", "ring"), ratio("gloo_again", "gloo")
+    comparisons = 2 * len(floor)
+    return {"ring_over_gloo": ring_gloo, "naive_over_ring": naive_ring, "floor_gloo_again_over_gloo": floor,
+            "verdicts": [{"ring_vs_gloo": timing.noise_verdict(rg, f, comparisons),
+                          "naive_vs_ring": timing.noise_verdict(nr, f, comparisons)}
+                         for rg, nr, f in zip(ring_gloo, naive_ring, floor)]}
 
 
 def run(env, config: Config) -> dict:

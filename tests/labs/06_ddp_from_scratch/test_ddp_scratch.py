@@ -170,6 +170,20 @@ def test_overlap_config_is_validated_up_front(tmp_path):
         cfg.from_options(ddp_overlap.Config, {"timeline_steps": 5})
     with pytest.raises(ValueError, match="each must be one of"):
         cfg.from_options(ddp_overlap.Config, {"parts": ("gantt",)})
+    with pytest.raises(ValueError, match="twice, as its noise floor"):
+        cfg.from_options(ddp_overlap.Config, {"bucket_size_mb": 0.3})
+
+
+def test_ddp_style_fraction_is_a_ratio_of_means_not_a_median():
+    """DDP's logger divides its mean overlap by its mean communication time: a long step weighs more. Step 1
+    hides 1 of 2 s (50 %), step 2 hides 9 of 10 s (90 %), step 3 hides 0 of 2 s: the median of the per-step
+    fractions is 50 %, DDP's statistic (1 + 9 + 0) / (2 + 10 + 2) = 10/14."""
+    steps = [{"comm": [(0.0, 1.0, 4), (1.0, 2.0, 4)], "compute_end": 1.0},
+             {"comm": [(0.0, 10.0, 4)], "compute_end": 9.0},
+             {"comm": [(3.0, 5.0, 4)], "compute_end": 1.0},
+             {"comm": [], "compute_end": 1.0}]                  # a step without communication is not counted
+    assert ddp_overlap.ddp_style_fraction(steps) == pytest.approx(10 / 14)
+    assert ddp_overlap.ddp_style_fraction(steps[3:]) is None
 
 
 @pytest.mark.slow
