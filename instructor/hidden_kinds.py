@@ -136,6 +136,13 @@ _TABLE = [
         steps="applying FSDP2 is one call; the torchrun runs train the result for several steps and count its "
               "collectives per step"),
     _ex("05_gpt_migration", "pick_strategy", value_answer=True),
+    # --- lab 06 ---
+    _ex("06_ddp_from_scratch", "ddp_individual", ("gradients", "communication")),
+    _ex("06_ddp_from_scratch", "assign_buckets",
+        steps="a pure function of the sizes and the cap: nothing is kept between calls, so every hidden case is "
+              "already a fresh step"),
+    _ex("06_ddp_from_scratch", "ddp_bucketed", ("gradients", "communication")),
+    _ex("06_ddp_from_scratch", "one_bucket_answer", value_answer=True),
     _ex("09_pipeline_parallel", "schedules"),
     _ex("09_pipeline_parallel", "pipeline_engine", ("communication",),
         readiness="the order of the sends is the schedule the test passes (GPipe, 1F1B and other cases, a different "
