@@ -136,6 +136,18 @@ _TABLE = [
     _ex("01_gradient_accumulation", "lr_scaling",
         steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
               "fresh step"),
+    # --- lab 02 ---
+    _ex("02_ring_allreduce", "ring_cost",
+        steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
+              "fresh step"),
+    _ex("02_ring_allreduce", "ring_allreduce", ("communication",),
+        readiness="the ring's sends and receives follow the fixed schedule of 2(N-1) steps the algorithm defines; "
+                  "nothing becomes ready in an order of its own (no gradients, no buckets), and every rank's "
+                  "peers and bytes are checked on 2 to 5 threads and processes"),
+    _ex("02_ring_allreduce", "gradient_cost",
+        steps="a pure function of numbers: nothing is kept between calls, so every hidden case is already a "
+              "fresh step"),
+    _ex("02_ring_allreduce", "latency_answer", value_answer=True),
     _ex("03_amdahl_scaling", "amdahl_laws",
         steps="two pure functions of numbers: nothing is kept between calls, so every hidden case is already a "
               "fresh step"),
@@ -201,6 +213,13 @@ _TABLE = [
         readiness="the layer calls f and g once each per pass, on one activation: no bucket of several gradients "
                   "whose completion order the answer could depend on"),
     _ex("08_tensor_parallel", "forward_bytes_answer", value_answer=True),
+    # --- lab 06 ---
+    _ex("06_ddp_from_scratch", "ddp_individual", ("gradients", "communication")),
+    _ex("06_ddp_from_scratch", "assign_buckets",
+        steps="a pure function of the sizes and the cap: nothing is kept between calls, so every hidden case is "
+              "already a fresh step"),
+    _ex("06_ddp_from_scratch", "ddp_bucketed", ("gradients", "communication")),
+    _ex("06_ddp_from_scratch", "one_bucket_answer", value_answer=True),
     _ex("09_pipeline_parallel", "schedules"),
     _ex("09_pipeline_parallel", "pipeline_engine", ("communication",),
         readiness="the order of the sends is the schedule the test passes (GPipe, 1F1B and other cases, a different "
@@ -305,16 +324,29 @@ class HiddenCheck:
         return False
 
     # --- inputs and aliasing -------------------------------------------------------------------------------
-    def call(self, fn: Callable, *args, mutable: tuple = (), what: str = "", **kwargs):
+    def call(self, fn: Callable, *args, mutable: tuple = (), what: str = "", in_place: tuple = (), **kwargs):
         """fn(*args, **kwargs) with every argument deep-copied before and compared after the call, except those
         named in ``mutable`` (positions or keyword names: what the exercise is meant to change, e.g. the model
-        an optimizer step updates). What comes back is then checked for aliasing (``check_no_aliasing``)."""
+        an optimizer step updates) or ``in_place`` (tensors the exercise writes its result into by design: their
+        elements may change, nothing else: see ``_in_place_difference``). What comes back is then checked for
+        aliasing (``check_no_aliasing``; it may be an ``in_place`` tensor, the exercise's output)."""
         self._mark("inputs")
         self._mark("aliasing")
         what = what or getattr(fn, "__name__", "the answer")
         named = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
+        for key, a in named:
+            if key in in_place and not isinstance(a, torch.Tensor):
+                raise TypeError(f"in_place names argument {key}, a {type(a).__name__}: only a tensor is written in place")
+        mutable = tuple(mutable) + tuple(in_place)
+        around = {key: _in_place_snapshot(a) for key, a in named if key in in_place}
         before = {key: _snapshot(a) for key, a in named if key not in mutable}
         result = fn(*args, **kwargs)
+        for key, a in named:
+            if key in in_place:
+                diff = _in_place_difference(around[key], a)
+                checks.check_true(diff is None, f"{what} wrote into argument {key} beyond its own elements ({diff})",
+                                  hint="write the result into the tensor's own elements (through tensor.view(-1)), "
+                                       "keep its shape, dtype and memory, and touch nothing around it")
         for key, a in named:
             if key in mutable:
                 continue
@@ -677,6 +709,32 @@ def _difference(before, after, path: str = "") -> str | None:
         if isinstance(same, bool):
             return None if same else f"{where} changed from {before!r} to {after!r}"
     return None     # an object with no equality of its own (a DataLoader): only its replacement is seen, by the caller
+
+
+def _in_place_snapshot(t: torch.Tensor) -> tuple:
+    """What an in-place argument must keep: its layout, its memory, and every byte of its storage outside its own
+    elements (a view into a larger buffer shows writes around it)."""
+    storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return (tuple(t.shape), t.stride(), t.dtype, t.storage_offset(), t.untyped_storage().data_ptr(),
+            storage.clone(), _spans(t))
+
+
+def _in_place_difference(before: tuple, t: torch.Tensor) -> str | None:
+    shape, stride, dtype, offset, storage_ptr, storage_bytes, spans = before
+    now = (tuple(t.shape), t.stride(), t.dtype, t.storage_offset())
+    if now != (shape, stride, dtype, offset):
+        return f"its shape, strides, dtype or offset changed from {(shape, stride, dtype, offset)} to {now}"
+    if t.untyped_storage().data_ptr() != storage_ptr:
+        return "it was given new memory (resize_ or set_): the caller's buffer no longer holds it"
+    after = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    keep = torch.ones(len(storage_bytes), dtype=torch.bool)
+    for _, _, first, end in spans:                  # its own elements' bytes may change
+        keep[first - storage_ptr:end - storage_ptr] = False
+    changed = (after.cpu() != storage_bytes.cpu()) & keep
+    if changed.any():
+        return f"{int(changed.sum())} bytes of its storage outside its elements changed, the first at byte " \
+               f"{int(changed.nonzero()[0])}"
+    return None
 
 
 def _spans(value, depth: int = 0) -> list:

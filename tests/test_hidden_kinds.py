@@ -403,3 +403,35 @@ def test_subgroups_are_several_groups_none_the_default_and_mark_topology():
     for bad in ((4, 4), (5, 2), (4, 1)):
         with pytest.raises(ValueError, match="do not split"):
             hk.subgroups(*bad)
+# --- in-place arguments -----------------------------------------------------------------------------------------
+def _sum_into(t, _):
+    t.view(-1).add_(1.0)
+    return t
+
+
+def _write_one_past(t, _):
+    flat = t.view(-1)
+    torch.as_strided(flat, (flat.numel() + 1,), (1,)).add_(1.0)     # one element too many
+    return t
+
+
+def _resized(t, _):
+    t.resize_(t.numel() + 3)                                          # padding the caller's tensor
+    return t
+
+
+@pytest.mark.parametrize("answer, error", [(_sum_into, None), (_write_one_past, "outside its elements changed"),
+                                           (_resized, "shape")])
+def test_in_place_lets_the_tensor_change_and_nothing_around_it(answer, error):
+    buffer = torch.zeros(12)
+    view = buffer[3:9]                                   # guards of 3 elements either side
+    hk = _check()
+    if error is None:
+        assert hk.call(answer, view, 0, in_place=(0,)) is view and buffer[3:9].eq(1).all() and buffer.sum() == 6
+    else:
+        with pytest.raises(CheckFailed, match=error):
+            hk.call(answer, view, 0, in_place=(0,))
+    with pytest.raises(CheckFailed, match="argument 1"):          # the other arguments are compared as always
+        _check().call(lambda t, d: d.update(x=1) or t, torch.zeros(2), {}, in_place=(0,))
+    with pytest.raises(TypeError, match="only a tensor"):
+        _check().call(lambda t: t, [1.0], in_place=(0,))

@@ -12,7 +12,10 @@ one rule each:
   launched in index order (PyTorch's reducer: ``next_bucket_``, reducer.hpp:232);
 - ``Routed``: even ranks use one branch, odd ranks the other: the unused parameters differ by rank, so only
   buckets launched in index order, with unused parameters marked ready at the end of the forward, keep the
-  ranks' sequences of all-reduces equal.
+  ranks' sequences of all-reduces equal. In the ``alternating`` case every rank takes branch a on even steps and
+  branch b on odd ones: the unused parameters change from step to step (bookkeeping kept from an earlier step shows);
+- ``ReadyInOrder(order)``: equal parameters whose gradients become final in a given order (``readiness_case``):
+  inside one bucket, an order other than the bucket's (reverse registration).
 """
 
 from __future__ import annotations
@@ -82,6 +85,24 @@ class Routed(nn.Module):
         return (h * branch).sum(dim=1, keepdim=True)
 
 
+class ReadyInOrder(nn.Module):
+    """n parameters of d_in elements each, registered w0..w(n-1), used in a chain in the reverse of ``order``: the
+    last one used is the first whose gradient is final (backward walks the chain from its end), so their gradients
+    become final in ``order`` (indices in registration order)."""
+
+    def __init__(self, order, d_in=16):
+        super().__init__()
+        if sorted(order) != list(range(len(order))):
+            raise ValueError(f"order={order} must list the parameters 0..n-1 once each")
+        self.order = list(order)
+        self.w = nn.ParameterList(nn.Parameter(1.0 + 0.1 * torch.randn(d_in)) for _ in order)
+
+    def forward(self, x):                        # (batch, d_in) -> (batch, 1)
+        for i in reversed(self.order):
+            x = torch.tanh(x * self.w[i])
+        return x.sum(dim=1, keepdim=True)
+
+
 @dataclass(frozen=True)
 class Case:
     build: object          # () -> nn.Module (called after seeding)
@@ -89,6 +110,7 @@ class Case:
     cap_mb: float = 0.0    # DDPBucketed's bucket_size_mb (0: the run's bucket_size_mb)
     steps: int = 0         # steps (0: the run's steps)
     routed: bool = False   # each rank's shard picks its own branch (the reference sums per-shard losses)
+    alternating: bool = False   # every rank takes the same branch, a on even steps, b on odd ones
 
 
 def _tiny_gpt():
@@ -107,7 +129,14 @@ CASES = {
     "reordered": Case(Reordered, cap_mb=1e-6),                            # ready before its bucket's turn
     "routed": Case(Routed, cap_mb=1e-6, routed=True),                     # unused parameters differ by rank
     "float64": Case(lambda: ToyNet().double()),                           # another dtype (8-byte gradients)
+    "alternating": Case(Routed, cap_mb=1e-6, alternating=True),           # the unused parameters change by step
 }
+
+
+def readiness_case(order) -> Case:
+    """``ReadyInOrder(order)`` in one bucket: its gradients become final in ``order`` (registration indices), not
+    in the bucket's order (reverse registration)."""
+    return Case(lambda: ReadyInOrder(order), cap_mb=100.0)
 
 
 def global_batch(case: Case, step: int, world_size: int, per_rank: int, seed: int):
@@ -122,6 +151,8 @@ def global_batch(case: Case, step: int, world_size: int, per_rank: int, seed: in
     x, y = x[order], y[order]
     if case.routed:                            # shard r's last feature: +1 on even ranks, -1 on odd ones
         x[:, -1] = torch.tensor([1.0 if (i // per_rank) % 2 == 0 else -1.0 for i in range(n)])
+    if case.alternating:                       # every shard's last feature: +1 on even steps, -1 on odd ones
+        x[:, -1] = 1.0 if step % 2 == 0 else -1.0
     return x, y
 
 

@@ -10,6 +10,12 @@ def ring_all_reduce(tensor, comm):
         return tensor
 '''
 
+from labkit import SolutionCells
+
+_changed = SolutionCells("02_ring_allreduce").changed
+_SPLIT = ("    flat = tensor.view(-1)                       # (M,) a view: writing a chunk writes into tensor\n"
+          "    chunks = torch.tensor_split(flat, n)         # N views of floor(M/N) or ceil(M/N) elements, larger first\n")
+
 WRONG_ANSWERS = {
     "ring_cost": [
         ("forgets the (N-1)/N factor: 2M bytes per rank", '''
@@ -136,6 +142,19 @@ def ring_all_reduce(tensor, comm):
             w.wait()
     return tensor
 '''),
+        # The hidden kinds (instructor/hidden_kinds.py): each kept full marks before them.
+        ("steps: keeps the chunk views of the first call for each (world size, rank, size, dtype), so a second "
+         "all-reduce of another tensor of the same size sums into the first one's memory", _changed(
+            "ring_allreduce", ("def ring_all_reduce(tensor, comm):", "_CHUNKS = {}\n\n\ndef ring_all_reduce(tensor, comm):"),
+            (_SPLIT, "    key = (n, rank, tensor.numel(), tensor.dtype)\n"
+                     "    if key not in _CHUNKS:                       # split once per size\n"
+                     "        _CHUNKS[key] = torch.tensor_split(tensor.view(-1), n)\n"
+                     "    chunks = _CHUNKS[key]\n"))),
+        ("inputs: works on a copy and hands the result over with tensor.data = ..., which gives the caller's tensor new "
+         "memory: a caller's view into a larger buffer (a bucket, a .grad) never sees the sum", _changed(
+            "ring_allreduce", (_SPLIT.split("\n")[0] + "\n", "    flat = tensor.reshape(-1).clone()            # a copy\n"),
+            ("            work.wait()\n    return tensor", "            work.wait()\n"
+                                                          "    tensor.data = flat.view(tensor.shape)\n    return tensor"))),
     ],
     "gradient_cost": [
         ("assumes 4 bytes per parameter whatever the dtype", '''

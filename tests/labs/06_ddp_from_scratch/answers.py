@@ -27,6 +27,11 @@ _MARK_UNUSED = '''        if torch.is_grad_enabled():                        # u
                 if id(p) not in reached:
                     self._mark_ready(i)
 '''
+_USED_LINE = ("        self.used = torch.zeros(len(self.params), device=self.params[0].device)   # 1 where this rank's "
+              "backward\n")
+_COUNT_DOWN = ("        self.waiting[self.bucket_of[i]] -= 1\n"
+               "        while self.next_bucket < len(self.buckets) and self.waiting[self.next_bucket] == 0:\n")
+_NEXT_BUCKET = "        self.next_bucket = 0                               # buckets go strictly in index order\n"
 WRONG_ANSWERS = {
     "ddp_individual": [
         ("launches every all-reduce from the last hook (the first parameter's): async, before backward() returns, "
@@ -41,6 +46,13 @@ WRONG_ANSWERS = {
              "            if p.grad is not None:\n"
              "                p.grad.div_(self.world_size)\n"
              "                self.handles.append(dist.all_reduce(p.grad, async_op=True))\n"))),
+    # The hidden kinds (instructor/hidden_kinds.py): each kept full marks before them.
+    ("steps: the list of handles is never cleared, so every step waits again for every earlier step's all-reduces "
+     "(and keeps their gradients alive)", _changed("ddp_individual", ("        self.handles.clear()\n", ""))),
+    ("gradients: the forward clears the module's gradients (every step starts clean), which throws away what a loop "
+     "accumulates over several backwards", _changed(
+         "ddp_individual", ("        return self.module(*args, **kwargs)\n",
+                            "        self.module.zero_grad()\n        return self.module(*args, **kwargs)\n"))),
     ],
     "assign_buckets": [
         ("after a parameter larger than the cap, the next ones join its bucket", _changed(
@@ -70,6 +82,24 @@ WRONG_ANSWERS = {
         ("a refusal of unused parameters instead of handling them (allowed by the old contract, not by DDP's)", _changed(
             "ddp_bucketed", (_MARK_UNUSED, "        if torch.is_grad_enabled() and len(reached_parameters(output)) < len(self.params):\n"
                                            "            raise RuntimeError('a parameter got no gradient (unused in forward)')\n"))),
+        # The hidden kinds (instructor/hidden_kinds.py): each kept full marks before them.
+        ("steps: the usage map is made once in __init__, not every step: a parameter used in an earlier step counts "
+         "as used (its .grad set to zeros) in a step where no rank uses it", _changed(
+            "ddp_bucketed", (_USED_LINE, ""), ("        self._new_step()\n\n    def _new_step",
+                                               _USED_LINE + "        self._new_step()\n\n    def _new_step"))),
+        ("gradients: a bucket counts as complete once every parameter in it has a .grad (or is unused), which "
+         "zero_grad(set_to_none=False) and accumulated gradients make true before the backward starts", _changed(
+            "ddp_bucketed", (_COUNT_DOWN, "        if self.params[i].grad is None:\n            self.no_grad.add(i)\n"
+                                          "        while self.next_bucket < len(self.buckets) and all(\n"
+                                          "                self.params[j].grad is not None or j in self.no_grad "
+                                          "for j in self.buckets[self.next_bucket]):\n"),
+            (_NEXT_BUCKET, _NEXT_BUCKET + "        self.no_grad = set()\n"))),
+        ("readiness: a bucket counts as complete when its last parameter in bucket order is ready (gradients assumed "
+         "to arrive in reverse registration order)", _changed(
+            "ddp_bucketed", ("        self.waiting[self.bucket_of[i]] -= 1\n",
+                             "        self.waiting[self.bucket_of[i]] -= 1\n"
+                             "        if i == self.buckets[self.bucket_of[i]][-1]:\n"
+                             "            self.waiting[self.bucket_of[i]] = 0\n"))),
     ],
     # one_bucket_answer: the red team's (a) and (d) (redteam.py), the same two choices ours were
 }

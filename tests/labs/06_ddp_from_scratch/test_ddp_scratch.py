@@ -252,3 +252,40 @@ def test_the_timeline_takes_the_usage_map_out_of_the_buckets_hidden_fraction():
     assert out["overlap_fraction"] == 1.0                      # both buckets done by the compute's end
     same = ddp_overlap.without_usage_map(dict(step, comm=step["comm"][:2]), grad_bytes=100, n_params=3)
     assert same["usage_map"] is None and same["overlap_fraction"] == 0.5   # nothing to take out: left as it was
+
+
+def test_readiness_case_makes_gradients_final_in_the_order_given():
+    import torch
+
+    from lablib.labs.ddp_from_scratch.cases import global_batch, loss_of, readiness_case
+
+    for order in ([3, 2, 1, 0], [2, 0, 1, 3]):
+        case = readiness_case(order)
+        model, seen = case.build(), []
+        for i, p in enumerate(model.parameters()):
+            p.register_post_accumulate_grad_hook(lambda _, i=i: seen.append(i))
+        x, y = global_batch(case, 0, 1, 4, 0)
+        loss_of(model, case, x, y).backward()
+        assert seen == order
+    with pytest.raises(ValueError, match="once each"):
+        readiness_case([0, 0, 1]).build()
+
+
+def test_stepping_sees_handles_kept_from_earlier_steps_and_each_loop_clearing(tmp_path):
+    """The same wrapper one step at a time: handles never cleared are waited for again (a check from step 2 on);
+    the loop's zero tensors and accumulated gradients are followed by the reference too (a right wrapper passes)."""
+    kept = HOOKED.replace("        while self.pending:\n            self.pending.pop().wait()",
+                          "        for work in self.pending:\n            work.wait()")
+    right, _ = _impl(tmp_path, HOOKED)
+    wrong, _ = _impl(tmp_path, kept, "kept_impl.py")
+    with ddp_probes.one_rank() as env:
+        with ddp_probes.stepping(wrong, "individual", "mlp", env, steps=3) as next_step:
+            ddp_probes.check_probe(next_step(), "individual")
+            with pytest.raises(AssertionError, match="waited 12 times for 6 all-reduces"):
+                ddp_probes.check_probe(next_step(), "individual")
+        for clear in ("set_to_none=False", "accumulated"):
+            r = ddp_probes.probe_case(right, "individual", "mlp", env, steps=3, clear=clear)
+            ddp_probes.check_probe(r, "individual")
+            assert r["clear"] == clear and r["steps_done"] == 3
+    with pytest.raises(ValueError, match="clear="):
+        next(ddp_probes.probe_steps(right, "individual", "mlp", None, clear="zeros"))
