@@ -303,12 +303,14 @@ def test_done_fails_a_hidden_cell_that_forgot_a_required_kind_and_reports_the_op
         hk.readiness_orders(3)
 
 
-def test_the_table_covers_every_exercise_of_the_routed_labs_and_the_report_lists_them():
-    routed = sorted({lab for lab, _ in hidden_kinds.EXERCISES})
-    for lab in routed:
+def test_every_exercise_of_every_lab_goes_through_the_table_and_the_report_lists_them():
+    assert {lab for lab, _ in hidden_kinds.EXERCISES} <= set(labkit.labs()), "the table names a lab that does not exist"
+    for lab in labkit.labs():
         exercises = set(labkit.exercises(labkit.read(lab)))
         listed = {name for (l, name) in hidden_kinds.EXERCISES if l == lab}
         assert listed <= exercises, f"{lab}: the table names exercises the lab does not have: {listed - exercises}"
+        assert exercises <= listed, f"{lab}: exercises whose hidden checks do not go through instructor/hidden_kinds.py: " \
+                                    f"{sorted(exercises - listed)}"
         source = "\n".join(c.source for c in labkit.read(lab).cells if c.cell_type == "code")
         for name in listed:
             assert f'hidden("{lab}", "{name}")' in source, f"{lab}/{name}: no hidden cell goes through hidden_kinds"
