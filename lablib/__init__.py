@@ -105,6 +105,7 @@ lab, and no shared folder imports a lab (import-linter contracts in pyproject.to
 - ``lablib.labs.ddp_from_scratch.cases``   the test models (tied, frozen, unused, reordered, routed) and batches
 - ``lablib.labs.ddp_from_scratch.order``   the overlap verdicts from the order of events (PyTorch's reducer's rules)
 - ``lablib.labs.ddp_from_scratch.timeline`` one step's per-rank timeline (CPU clocks on gloo, a profiler trace on GPUs)
+- ``lablib.labs.ddp_from_scratch.training`` the batches, the GPT, the wrappers and the timed SGD step the measurements share
 - ``lablib.labs.ddp_from_scratch.run_ddp_scratch`` the torchrun step ``ddp_scratch``: the graded runs of exercises 1 and 3
 - ``lablib.labs.ddp_from_scratch.run_ddp_overlap`` the torchrun step ``ddp_overlap``: timeline, bucket sweep, benchmark
 - ``lablib.labs.tensor_parallel``  lab 08, tensor parallelism: read ``probe`` (what the notebook calls), then ``f_g``,

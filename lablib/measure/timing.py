@@ -125,3 +125,19 @@ def against_reference(row_s: Sequence[float], reference_s: Sequence[float], comp
     floor = [t / ref for t in reference_s]
     return {"ratio": median(row_s) / ref, "ratio_range": [min(ratios), max(ratios)],
             "floor_range": [min(floor), max(floor)], **noise_verdict(ratios, floor, comparisons)}
+
+
+def allreduce_times(env, sizes_bytes: Sequence[int], repeats: int) -> list[list[float]]:
+    """Seconds of standalone all-reduces of each size (the slowest rank per repeat): ``[size][repeat]``.
+
+    The sizes take turns, repeat by repeat (which size goes first rotates), so a burst of load falls on all
+    sizes alike instead of on whichever size was being timed; one untimed warm-up round first."""
+    tensors = [torch.ones(max(1, n // 4), device=env.device) for n in sizes_bytes]
+    times = [[] for _ in sizes_bytes]
+    for rep in range(repeats + 1):
+        k = rep % len(sizes_bytes)
+        for i in list(range(k, len(sizes_bytes))) + list(range(k)):
+            barrier(env.device)
+            with stopwatch(times[i], env.device):
+                dist.all_reduce(tensors[i])
+    return [slowest_rank(t[1:], env.device) for t in times]

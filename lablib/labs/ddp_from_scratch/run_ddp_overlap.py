@@ -38,15 +38,15 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lablib.course import commcost, data, scaling
+from lablib.course import commcost, scaling
 from lablib.measure import counting, timing
-from lablib.labs.ddp_from_scratch.timeline import BlockTimes, overlap_fraction, record_step  # noqa: F401 - overlap_fraction: interface
+from lablib.labs.ddp_from_scratch.timeline import (BlockTimes, ddp_style_fraction, grad_bytes_and_count,  # noqa: F401
+                                                   overlap_fraction, record_step, without_usage_map)
 from lablib.jobs import script
 from lablib.jobs import config as cfg
 from lablib.jobs.exercise import load_fresh, require_file
-from lablib.course.models import GPT, gpt_config
 from lablib.jobs.distenv import gather_objects
-from lablib.labs.ddp_from_scratch.order import buckets_and_usage_map
+from lablib.labs.ddp_from_scratch.training import PHASES, Batches, finish, new_gpt, train_step, wrap  # noqa: F401
 
 
 COMPRESSION_CAP_MB = 1000.0
@@ -96,93 +96,9 @@ class Config:
             raise ValueError(f"this step compares data-parallel ranks: start it with nproc >= 2, got {world_size}")
 
 
-# --- batches and models ------------------------------------------------------------------------------------------
-
-class Batches:
-    """Global batch ``step`` of Tiny Shakespeare (the same on every rank for a given step); rank r's slice."""
-
-    def __init__(self, config: Config, env):
-        _, train, _ = data.shakespeare_datasets(config.block_size)
-        self.train, self.config, self.env = train, config, env
-
-    def rank_batch(self, step: int):
-        b, n = self.config.batch_per_rank, self.env.world_size
-        g = torch.Generator().manual_seed(self.config.seed * 10000 + step)
-        idx = torch.randint(0, len(self.train), (b * n,), generator=g)[self.env.rank * b:(self.env.rank + 1) * b]
-        x, y = zip(*(self.train[int(i)] for i in idx))
-        return torch.stack(x).to(self.env.device), torch.stack(y).to(self.env.device)
-
-
-def new_gpt(config: Config, env) -> GPT:
-    torch.manual_seed(config.seed)      # identical initial weights for every variant and rank
-    return GPT(gpt_config(config)).to(env.device)
-
-
-def wrap(variant: str, impl, model, cap_mb: float):
-    if variant == "individual":
-        return impl.DDPIndividualParameters(model)
-    if variant == "bucketed":
-        return impl.DDPBucketed(model, cap_mb)
-    return DDP(model, bucket_cap_mb=cap_mb)
-
-
-def finish(model) -> None:
-    if not isinstance(model, DDP):
-        model.finish_gradient_synchronization()
-
-
-def train_step(model, optimizer, batch, phases: dict | None = None) -> float:
-    """One SGD step; ``phases`` (if given) gets each phase's seconds appended: forward, backward (until
-    ``backward()`` returned), both together (``compute_s``), finish (``finish_gradient_synchronization``), optimizer."""
-    t0 = time.perf_counter()
-    optimizer.zero_grad()            # set_to_none is the default
-    loss = model(*batch)[1]
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    finish(model)
-    t3 = time.perf_counter()
-    optimizer.step()
-    value = loss.item()
-    if phases is not None:
-        for name, seconds in zip(PHASES, (t1 - t0, t2 - t1, t2 - t0, t3 - t2, time.perf_counter() - t3)):
-            phases[name].append(seconds)
-    return value
-
-
-PHASES = ("forward_s", "backward_s", "compute_s", "finish_s", "opt_s")
-
-
-def grad_bytes_and_count(model) -> tuple[int, int]:
-    """Bytes of the trainable gradients (a tied weight once) and the number of trainable tensors."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return sum(p.numel() * p.element_size() for p in params), len(params)
-
-
-def without_usage_map(step: dict, grad_bytes: int, n_params: int) -> dict:
-    """A timeline step of the bucketed class with its usage-map all-reduce taken out of ``comm`` (into
-    ``usage_map``) and the hidden fraction recomputed over the buckets, as DDP's own timer counts them."""
-    buckets, j = buckets_and_usage_map([n for _, _, n in step["comm"]], grad_bytes, n_params)
-    step["usage_map"] = None if j is None else step["comm"][j]
-    step["comm"] = [step["comm"][i] for i in buckets]
-    if j is not None and step["comm"]:
-        step["overlap_fraction"] = overlap_fraction(step["comm"], step["compute_end"])
-    return step
-
-
 # --- timeline ----------------------------------------------------------------------------------------------------
 
 TIMELINE_VARIANTS = ("individual", "bucketed", "ddp")
-
-
-def ddp_style_fraction(steps: list[dict]) -> float | None:
-    """The hidden fraction as DDP's logger computes it: its mean overlap time over its mean communication time
-    (communication: first launch to last completion; overlap: the part of it before the compute's end), a ratio
-    of means over the steps given, not a median of per-step fractions."""
-    comm = [(min(a for a, _, _ in s["comm"]), max(b for _, b, _ in s["comm"]), s["compute_end"])
-            for s in steps if s["comm"]]
-    total = sum(end - start for start, end, _ in comm)
-    return sum(max(0.0, min(end, c) - start) for start, end, c in comm) / total if total > 0 else None
 
 
 def timeline(env, config: Config, impl, batches: Batches) -> dict:
@@ -254,22 +170,6 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
 
 # --- bucket-size sweep ------------------------------------------------------------------------------------------
 
-def allreduce_times(env, sizes_bytes: list[int], repeats: int) -> list[list[float]]:
-    """Seconds of standalone all-reduces of each size (the slowest rank per repeat): ``[size][repeat]``.
-
-    The sizes take turns, repeat by repeat (which size goes first rotates), so a burst of load falls on all
-    sizes alike instead of on whichever size was being timed; one untimed warm-up round first."""
-    tensors = [torch.ones(max(1, n // 4), device=env.device) for n in sizes_bytes]
-    times = [[] for _ in sizes_bytes]
-    for rep in range(repeats + 1):
-        k = rep % len(sizes_bytes)
-        for i in list(range(k, len(sizes_bytes))) + list(range(k)):
-            timing.barrier(env.device)
-            with timing.stopwatch(times[i], env.device):
-                dist.all_reduce(tensors[i])
-    return [timing.slowest_rank(t[1:], env.device) for t in times]
-
-
 def sweep(env, config: Config, impl, batches: Batches) -> dict:
     caps = list(config.sweep_caps_mb)
     # The arms: one per cap, and the benchmark's cap once more (a second model at the same cap): the noise floor,
@@ -316,7 +216,7 @@ def sweep(env, config: Config, impl, batches: Batches) -> dict:
     others = [i for i in range(len(caps)) if i != ref]
     verdicts = [None if i == ref else timing.noise_verdict(per_step(i), floor, comparisons=len(others))
                 for i in range(len(caps))]
-    ar = allreduce_times(env, sizes, config.allreduce_repeats)
+    ar = timing.allreduce_times(env, sizes, config.allreduce_repeats)
     return {"caps_mb": caps, "n_buckets": [buckets[i] for i in range(len(caps))],
             "usage_map": [usage_map[i] for i in range(len(caps))],
             "grad_bytes": grad_bytes, "n_params": n_params, "reference_cap_mb": config.bucket_size_mb,

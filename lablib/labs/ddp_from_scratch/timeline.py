@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from lablib.labs.ddp_from_scratch.order import buckets_and_usage_map
 from lablib.measure import counting
 
 MARK = "lab06_step", "lab06_backward"   # the trace's user annotations around the step and around loss.backward()
@@ -114,3 +115,31 @@ def record_step(env, model, batch, finish, optimizer, recorder, grad_ready: list
             "finish_end": t_finish - t0, "end": t_end - t0,
             "blocks": {k: [v[0] - t0, v[-1] - t0] for k, v in blocks.spans.items()},
             "comm": [(a - t0, b - t0, n) for a, b, n in comm], "overlap_fraction": overlap_fraction(comm, compute_end)}
+
+
+def grad_bytes_and_count(model) -> tuple[int, int]:
+    """Bytes of the trainable gradients (a tied weight once) and the number of trainable tensors."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in params), len(params)
+
+
+def without_usage_map(step: dict, grad_bytes: int, n_params: int) -> dict:
+    """A timeline step of the bucketed class with its usage-map all-reduce taken out of ``comm`` (into
+    ``usage_map``) and the hidden fraction recomputed over the buckets, as DDP's own timer counts them."""
+    buckets, j = buckets_and_usage_map([n for _, _, n in step["comm"]], grad_bytes, n_params)
+    step["usage_map"] = None if j is None else step["comm"][j]
+    step["comm"] = [step["comm"][i] for i in buckets]
+    if j is not None and step["comm"]:
+        step["overlap_fraction"] = overlap_fraction(step["comm"], step["compute_end"])
+    return step
+
+
+
+def ddp_style_fraction(steps: list[dict]) -> float | None:
+    """The hidden fraction as DDP's logger computes it: its mean overlap time over its mean communication time
+    (communication: first launch to last completion; overlap: the part of it before the compute's end), a ratio
+    of means over the steps given, not a median of per-step fractions."""
+    comm = [(min(a for a, _, _ in s["comm"]), max(b for _, b, _ in s["comm"]), s["compute_end"])
+            for s in steps if s["comm"]]
+    total = sum(end - start for start, end, _ in comm)
+    return sum(max(0.0, min(end, c) - start) for start, end, c in comm) / total if total > 0 else None
