@@ -770,7 +770,7 @@ def _overlap(x: tuple, y: tuple) -> bool:
 def report(lab: str | None = None) -> str:
     """The instructor's table: per exercise, the kinds its hidden test applies and each opt-out with its reason."""
     lines = ["lab | exercise | kinds applied | opt-outs (reason)", "---|---|---|---"]
-    for e in _TABLE:
+    for e in sorted(_TABLE, key=lambda e: e.lab):     # stable: each lab's exercises keep the table's order
         if lab and e.lab != lab:
             continue
         if e.value_answer:
