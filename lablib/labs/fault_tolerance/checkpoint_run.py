@@ -244,9 +244,19 @@ def train(impl, recipe: Recipe, env, folder, *, ckpt_every: int, faults: tuple[s
 
 
 def _process_start() -> float:
-    import psutil
+    """When this process started, on the wall clock. psutil's create_time() adds the process's start ticks to the
+    boot time of /proc/stat, which Linux gives in whole seconds: up to 1 s early (0.93 s measured), enough to put a
+    new attempt's start before the fault that caused it. /proc/uptime gives the time since boot to 10 ms, so
+    now - (uptime - start ticks / ticks per second) is the start to about 10 ms."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")          # field 22 of proc(5): starttime, in ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):                          # no /proc (not Linux): psutil's estimate
+        import psutil
 
-    return psutil.Process().create_time()
+        return psutil.Process().create_time()
 
 
 def faults_seen(folder) -> list[dict]:

@@ -195,3 +195,22 @@ def test_held_is_the_whole_state_by_parameter_name():
     assert torch.equal(held["weights"]["0.weight"], model[0].weight.detach())
     assert set(held["optimizer"]["0.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
     assert held["sampler"] == {"epoch": 0, "position": 0} and held["step"] == 1
+
+
+def test_a_process_start_is_read_to_the_clock_s_resolution_not_a_whole_second_early():
+    """The restart timeline's "new processes" part is the new attempt's start minus the detection: psutil's
+    create_time() reads the boot time in whole seconds and put starts up to 1 s early (detection and restart then
+    showed 0 s). The start must lie between the parent's clock before the spawn and the child's first line, give or
+    take /proc/uptime's 10 ms."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    code = ("import json, time\nt = time.time()\nfrom lablib.labs.fault_tolerance.checkpoint_run import _process_start\n"
+            "print(json.dumps([t, _process_start()]))")
+    for _ in range(3):
+        before = time.time()
+        first_line, start = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                      check=True).stdout)
+        assert before - 0.02 <= start <= first_line + 0.02, (before, start, first_line)
