@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from lablib.jobs import script
 from lablib.jobs.exercise import require_file
 from lablib.course.models import GPTConfig
 from lablib.parallel.pipeline import idle_fraction, parse_orders
 from lablib.labs.pipeline_parallel.probe import SMALL, check_orders, load_engine, parse_case, probe_engine
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Config:
     n_head: int = SMALL.n_head
     block_size: int = SMALL.block_size
     seed: int = 0
+    dtype: str = "float32"                   # the GPT's parameters, so the activations that cross between ranks
 
     def validate(self) -> None:
         if not self.cases:
@@ -54,6 +59,8 @@ class Config:
         if self.p2p_timeout_s <= 0 or self.repeat < 1 or self.micro_batch < 1:
             raise ValueError(f"p2p_timeout_s={self.p2p_timeout_s}, repeat={self.repeat} and micro_batch="
                              f"{self.micro_batch} must be positive")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
         require_file(self.impl)
 
     def validate_world(self, world_size: int) -> None:
@@ -72,14 +79,14 @@ def run(env, config: Config) -> dict:
         for step in range(config.repeat):      # probe_engine starts the ranks' step together (a barrier)
             steps.append(probe_engine(impl, case, parse_orders(orders), env, p2p_timeout_s=config.p2p_timeout_s,
                                       seed=config.seed, micro_batch=config.micro_batch, config=model,
-                                      tag=f"{i}.{step}"))
+                                      tag=f"{i}.{step}", dtype=DTYPES[config.dtype]))
             if not steps[-1]["ok"]:
                 break
         result = steps[-1]
         if result["ok"] and len(steps) > 1:    # every rank: one more step, its memory sampled (not timed)
             held = probe_engine(impl, case, parse_orders(orders), env, p2p_timeout_s=config.p2p_timeout_s,
                                 seed=config.seed, micro_batch=config.micro_batch, config=model, tag=f"{i}.mem",
-                                memory=True)
+                                memory=True, dtype=DTYPES[config.dtype])
         if env.is_main and result["ok"] and len(steps) > 1:   # the step of median idle time, the first one left out
             timed = sorted(steps[1:], key=lambda s: idle_fraction(s["events"]))
             result = dict(timed[len(timed) // 2], idle_fractions=[idle_fraction(s["events"]) for s in steps[1:]],
