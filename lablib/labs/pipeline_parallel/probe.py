@@ -93,10 +93,12 @@ def batch(config: GPTConfig, n_microbatches: int, micro_batch: int, seed: int):
     return list(ids.split(micro_batch)), list(targets.split(micro_batch))
 
 
-def reference(config: GPTConfig, inputs, targets, seed: int) -> tuple[dict, list[float]]:
-    """The single process: the whole GPT on the whole batch (mean loss); its gradients and micro-batch losses."""
+def reference(config: GPTConfig, inputs, targets, seed: int,
+              dtype: torch.dtype = torch.float32) -> tuple[dict, list[float]]:
+    """The single process: the whole GPT (its parameters in ``dtype``) on the whole batch (mean loss); its
+    gradients and micro-batch losses."""
     torch.manual_seed(seed)
-    model = GPT(config)
+    model = GPT(config).to(dtype)
     loss = model(torch.cat(inputs), torch.cat(targets))[1]
     loss.backward()
     with torch.no_grad():
@@ -105,10 +107,12 @@ def reference(config: GPTConfig, inputs, targets, seed: int) -> tuple[dict, list
 
 
 def probe_engine(impl, case: str, orders, env, p2p_timeout_s: float = 15.0, seed: int = 0, micro_batch: int = 2,
-                 config: GPTConfig = SMALL, tag: str = "", memory: bool = False) -> dict:
+                 config: GPTConfig = SMALL, tag: str = "", memory: bool = False,
+                 dtype: torch.dtype = torch.float32) -> dict:
     """One step of the student's engine on this rank's stage, running ``orders[rank]`` (one op list per stage of
     the case). Every rank of the job calls it, in the same order; rank 0 gets the whole result, the others
-    {"ok": ...} (a rank outside the case's p waits for it)."""
+    {"ok": ...} (a rank outside the case's p waits for it). ``dtype``: the stages' parameters, so the activations
+    and their gradients that cross between ranks (an engine's receive buffers must follow the stage)."""
     kind, p, m = parse_case(case)
     check_orders(case, orders)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -122,7 +126,7 @@ def probe_engine(impl, case: str, orders, env, p2p_timeout_s: float = 15.0, seed
     record = None
     if rank < p:
         torch.manual_seed(seed)
-        stage = pipeline.gpt_stages(GPT(config), p)[rank].to(env.device)
+        stage = pipeline.gpt_stages(GPT(config).to(dtype), p)[rank].to(env.device)
         warm_up(stage, inputs[0], targets[0], shape, env.device)
         ops = [tuple(op) for op in orders[rank]]
         recorder, log = StageRecorder(stage, count_saved=not memory), counting.CollectiveLog(phase="step")
@@ -156,7 +160,7 @@ def probe_engine(impl, case: str, orders, env, p2p_timeout_s: float = 15.0, seed
         if record is not None:
             store.set(f"pp{tag}/{case}/{rank}", pickle.dumps(record))
         records = [pickle.loads(store.get(f"pp{tag}/{case}/{r}")) for r in range(p)]
-    return summarize(case, records, config, inputs, targets, seed) if rank == 0 else \
+    return summarize(case, records, config, inputs, targets, seed, dtype) if rank == 0 else \
         {"ok": all(r["error"] is None for r in records)}
 
 
@@ -164,7 +168,8 @@ def warm_up(stage, ids, targets, shape, device) -> None:
     """One forward and backward of the stage, before the step, its gradients dropped: a process's first ones
     cost up to a second under load (measured 0.75 s each at a load of 10 on 2 cores, against 0.03 s after),
     which would otherwise fall inside the step and its send/recv timeout."""
-    x = ids.to(device) if stage.first else torch.zeros(shape, device=device, requires_grad=True)
+    dtype = next(stage.parameters()).dtype
+    x = ids.to(device) if stage.first else torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)
     with torch.random.fork_rng(devices=[]):
         out = stage(x, targets.to(device)) if stage.last and stage.loss else stage(x)
         out.float().sum().backward()
@@ -190,8 +195,9 @@ def _op_lists(orders) -> list[list[tuple[str, int]]]:
     return [pipeline.parse_orders(o)[0] if isinstance(o, str) else [tuple(op) for op in o] for o in orders]
 
 
-def summarize(case: str, records: list[dict], config: GPTConfig, inputs, targets, seed: int) -> dict:
-    """Rank 0: the records of every stage against the single process."""
+def summarize(case: str, records: list[dict], config: GPTConfig, inputs, targets, seed: int,
+              dtype: torch.dtype = torch.float32) -> dict:
+    """Rank 0: the records of every stage against the single process (its parameters in ``dtype``, as the stages')."""
     kind, p, m = parse_case(case)
     zero = min(r["t0"] for r in records)     # perf_counter is one clock for the processes of one machine
     for r in records:
@@ -200,7 +206,7 @@ def summarize(case: str, records: list[dict], config: GPTConfig, inputs, targets
         for c in r["p2p"]:
             c["launched_s"] += shift
             c["done_s"] = None if c["done_s"] is None else c["done_s"] + shift
-    out = {"case": case, "kind": kind, "n_stages": p, "n_microbatches": m,
+    out = {"case": case, "kind": kind, "n_stages": p, "n_microbatches": m, "dtype": str(dtype).removeprefix("torch."),
            "errors": {r["rank"]: r["error"] for r in records if r["error"]},
            "tracebacks": {r["rank"]: r["traceback"] for r in records if r["error"]},
            "deadlock": deadlock_message(records) if any(r["error"] for r in records) else None,
@@ -213,7 +219,7 @@ def summarize(case: str, records: list[dict], config: GPTConfig, inputs, targets
         out["step_s"] = max(r["t_end"] for r in records) - zero
         out["peak_activation_bytes"] = [r["peak_activation_bytes"] for r in records]
     if out["ok"]:
-        ref_grads, ref_losses = reference(config, inputs, targets, seed)
+        ref_grads, ref_losses = reference(config, inputs, targets, seed, dtype)
         grads = pipeline.combine_stage_gradients([r["grads"] for r in records])
         missing = sorted(set(ref_grads) - set(grads))
         out["max_grad_diff"] = max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items() if n in grads)
@@ -245,7 +251,8 @@ def deadlock_message(records: list[dict]) -> str:
 def check_engine(result: dict) -> None:
     """The graded checks of one case: no error or deadlock, the schedule followed, losses and gradients equal
     to the single process."""
-    what = f"{result['kind']} on {result['n_stages']} stages, {result['n_microbatches']} micro-batches"
+    what = f"{result['kind']} on {result['n_stages']} stages, {result['n_microbatches']} micro-batches" + \
+        ("" if result.get("dtype", "float32") == "float32" else f", the GPT in {result['dtype']}")
     if not result["ok"]:
         timed_out = any("Timed out" in e or "timed out" in e for e in result["errors"].values())
         checks.check_true(False, f"{what}: the step failed" + (" (deadlock: the ranks waited on each other until the "

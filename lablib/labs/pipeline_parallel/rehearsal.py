@@ -76,12 +76,12 @@ _FAKES = {"get_rank": lambda group=None: _local.comm.rank, "get_world_size": lam
 
 
 def _one_case(engine, case: str, orders, config: GPTConfig, seed: int, micro_batch: int,
-              timeout_s: float) -> dict | None:
+              timeout_s: float, dtype: torch.dtype = torch.float32) -> dict | None:
     kind, p, m = parse_case(case)
     inputs, targets = batch(config, m, micro_batch, seed)
     shape = (micro_batch, config.block_size, config.n_embd)
     torch.manual_seed(seed)
-    stages = pipeline.gpt_stages(GPT(config), p)     # built here, once: every thread's stage from one model
+    stages = pipeline.gpt_stages(GPT(config).to(dtype), p)     # built here, once: every thread's stage from one model
     unsupported = []
 
     def rank_body(comm) -> dict:
@@ -109,22 +109,23 @@ def _one_case(engine, case: str, orders, config: GPTConfig, seed: int, micro_bat
         records = run_in_threads(p, rank_body, timeout_s=timeout_s)
     if unsupported:
         return None
-    result = summarize(case, records, config, inputs, targets, seed)
+    result = summarize(case, records, config, inputs, targets, seed, dtype)
     result["rehearsal_deadlock"] = next((r["deadlock"] for r in records if r.get("deadlock")), None)
     return result
 
 
 def rehearse(engine, orders_by_case: dict, config: GPTConfig = SMALL, seed: int = 0, micro_batch: int = 2,
-             timeout_s: float = 20.0) -> list[dict] | None:
-    """Each case of {case: per-rank op lists (or "F0 F1 B0 ..." strings)} on p thread ranks; the results in the
-    cases' order, or ``None`` when the engine uses something the threads cannot stand in for."""
+             timeout_s: float = 20.0, dtype: torch.dtype = torch.float32) -> list[dict] | None:
+    """Each case of {case: per-rank op lists (or "F0 F1 B0 ..." strings)} on p thread ranks (the GPT's parameters in
+    ``dtype``); the results in the cases' order, or ``None`` when the engine uses something the threads cannot
+    stand in for."""
     if dist.is_initialized():   # the real functions would find this group: rehearse only without one
         return None
     results = []
     for case, orders in orders_by_case.items():
         orders = _op_lists(orders)
         check_orders(case, orders)
-        result = _one_case(engine, case, orders, config, seed, micro_batch, timeout_s)
+        result = _one_case(engine, case, orders, config, seed, micro_batch, timeout_s, dtype)
         if result is None:
             return None
         results.append(result)
@@ -134,8 +135,17 @@ def rehearse(engine, orders_by_case: dict, config: GPTConfig = SMALL, seed: int 
 def check_rehearsal(results: list[dict] | None) -> None:
     """``check_engine`` on each rehearsed case, a deadlock named as such; nothing when the rehearsal stepped aside."""
     for result in results or []:
+        what = f"{result['kind']} on {result['n_stages']} stages, {result['n_microbatches']} micro-batches" + \
+            ("" if result.get("dtype", "float32") == "float32" else f", the GPT in {result['dtype']}")
+        raised = {r: e for r, e in result["errors"].items() if "RehearsalDeadlock" not in e}
+        if raised:   # a rank that raised leaves its peers waiting: its error is the finding, not their wait
+            rank = min(raised)
+            lines = result["tracebacks"][rank].splitlines()
+            start = next((i for i, line in enumerate(lines) if "_impl.py" in line), 0)
+            checks.check_true(False, f"{what}, rehearsed with threads as ranks: rank {rank} raised "
+                                     f"{raised[rank].splitlines()[-1][:400]}",
+                              hint=f"rank {rank}'s traceback:\n" + "\n".join(lines[start:]))
         if result["rehearsal_deadlock"]:
-            what = f"{result['kind']} on {result['n_stages']} stages, {result['n_microbatches']} micro-batches"
             checks.check_true(False, f"{what}, rehearsed with threads as ranks: the step deadlocks "
                                      f"({result['rehearsal_deadlock'].split('. A blocking')[0][:500]})",
                               hint="a blocking send returns only once the peer posted its recv: post sends with "

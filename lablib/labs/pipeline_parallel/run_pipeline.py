@@ -21,12 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from lablib.jobs import script
 from lablib.jobs.exercise import require_file
 from lablib.course.models import GPTConfig
 from lablib.parallel.pipeline import idle_fraction, parse_orders
 from lablib.labs.pipeline_parallel.costs import simulate, stage_costs
 from lablib.labs.pipeline_parallel.probe import SMALL, check_orders, load_engine, parse_case, probe_engine
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class Config:
     n_head: int = SMALL.n_head
     block_size: int = SMALL.block_size
     seed: int = 0
+    dtype: str = "float32"                   # the GPT's parameters, so the activations that cross between ranks
 
     def validate(self) -> None:
         if not self.cases:
@@ -57,6 +62,8 @@ class Config:
         if self.p2p_timeout_s <= 0 or self.repeat < 1 or self.micro_batch < 1:
             raise ValueError(f"p2p_timeout_s={self.p2p_timeout_s}, repeat={self.repeat} and micro_batch="
                              f"{self.micro_batch} must be positive")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
         require_file(self.impl)
 
     def validate_world(self, world_size: int) -> None:
@@ -73,7 +80,7 @@ def run(env, config: Config) -> dict:
     def probe(i: int, tag: str, memory: bool = False) -> dict:
         return probe_engine(impl, config.cases[i], parse_orders(config.orders[i]), env,
                             p2p_timeout_s=config.p2p_timeout_s, seed=config.seed, micro_batch=config.micro_batch,
-                            config=model, tag=f"{i}.{tag}", memory=memory)
+                            config=model, tag=f"{i}.{tag}", memory=memory, dtype=DTYPES[config.dtype])
 
     # Rounds, not one case after another: round k runs every case once, in the listed order on even rounds and
     # reversed on odd ones (A B B A ...), so a burst of load from another program falls on all cases of a round

@@ -123,12 +123,15 @@ def _short(value, limit: int = 200) -> str:
 
 
 @contextlib.contextmanager
-def answer_without_module(module, reason: str):
-    """Inside the block, any Python code compiled from ``module``'s file raises ``checks.CheckFailed(reason)``
+def answer_without_module(*modules, reason: str):
+    """Inside the block, any Python code compiled from one of ``modules``' files raises ``checks.CheckFailed(reason)``
     instead of running: a call of its functions, and a copy of one's code object made before the block, which
     ``checks.answer_without`` (it swaps the functions' code) does not see. The hidden checks call the students'
-    functions in it, with the reference they are compared with as the module, and the reference outside."""
-    paths = {module.__file__, os.path.realpath(module.__file__)}     # what a code object's co_filename holds
+    functions in it, with the reference they are compared with as a module, and the reference outside. Several
+    modules go in one block (a nested block would replace the outer one's trace function, not add to it)."""
+    if not modules:
+        raise ValueError("answer_without_module: name at least one module")
+    paths = {path for module in modules for path in (module.__file__, os.path.realpath(module.__file__))}
     previous = sys.gettrace()
 
     def refuse(frame, event, arg):   # called at every Python call inside the block: kept to a set lookup

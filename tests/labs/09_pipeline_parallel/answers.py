@@ -167,11 +167,32 @@ from instructor.references import pipeline as _ref
 bubble_fraction = types.FunctionType(_ref.bubble_fraction.__code__, _ref.bubble_fraction.__globals__)
 peak_in_flight = types.FunctionType(_ref.peak_in_flight.__code__, _ref.peak_in_flight.__globals__)
 '''),
+        # The red team's second round: the exercise asks for formulas of p and m, derived; the hidden checks run
+        # them with lablib.parallel.pipeline refused (answer_without_module): a schedule played by lablib is none.
+        ("the bubble and the peaks read off your own exercise-1 schedules, played by lablib.parallel.pipeline.play: "
+         "no formula of p and m (once a correct variant here; the red team's second round kept full marks so)", '''
+import functools
+from lablib.parallel import pipeline as _pipeline
+
+
+@functools.lru_cache(maxsize=8)
+def _yours(kind, n_stages, n_microbatches):
+    return (gpipe_schedule if kind == "gpipe" else one_f_one_b_schedule)(n_stages, n_microbatches)
+
+
+def bubble_fraction(n_stages, n_microbatches):
+    return _pipeline.idle_fraction(_pipeline.play(_yours("gpipe", n_stages, n_microbatches)))
+
+
+def peak_in_flight(schedule, n_stages, n_microbatches, stage):
+    return _pipeline.peak_held(_yours(schedule, n_stages, n_microbatches)[stage])
+'''),
     ],
 }
 
-# A correct variant runs every test cell: 1F1B built from the three phases' counts differently; exercise 3 read
-# off the student's own exercise-1 schedules played by lablib (what lablib is for).
+# A correct variant runs every test cell: 1F1B built from the three phases' counts differently. (Exercise 3 read off
+# the student's own exercise-1 schedules played by lablib was one until the red team's second round: it is now a
+# wrong answer, above: the exercise asks for formulas of p and m.)
 CORRECT_VARIANTS = {
     "schedules": [
         ("1F1B built from the number of forwards in flight", '''
@@ -194,25 +215,6 @@ def one_f_one_b_schedule(n_stages, n_microbatches):
                 ops.append(("B", b)); b += 1
         out.append(ops)
     return out
-'''),
-    ],
-    "bubble_formulas": [
-        ("the bubble and the peaks read off your own schedules, played by lablib.parallel.pipeline.play", '''
-import functools
-from lablib.parallel import pipeline as _pipeline
-
-
-@functools.lru_cache(maxsize=8)
-def _yours(kind, n_stages, n_microbatches):
-    return (gpipe_schedule if kind == "gpipe" else one_f_one_b_schedule)(n_stages, n_microbatches)
-
-
-def bubble_fraction(n_stages, n_microbatches):
-    return _pipeline.idle_fraction(_pipeline.play(_yours("gpipe", n_stages, n_microbatches)))
-
-
-def peak_in_flight(schedule, n_stages, n_microbatches, stage):
-    return _pipeline.peak_held(_yours(schedule, n_stages, n_microbatches)[stage])
 '''),
     ],
 }
@@ -252,7 +254,7 @@ def pipeline_step(stage, ops, micro_inputs, micro_targets, activation_shape):
             if first:
                 x = micro_inputs[j]
             else:
-                x = torch.empty(activation_shape)
+                x = torch.empty(activation_shape, dtype=next(stage.parameters()).dtype)
                 exchange((x, rank - 1))
                 x.requires_grad_()
             inputs[j] = x
@@ -268,7 +270,7 @@ def pipeline_step(stage, ops, micro_inputs, micro_targets, activation_shape):
             if last:
                 out.backward()
             else:
-                grad = torch.empty(activation_shape)
+                grad = torch.empty_like(out)
                 exchange((grad, rank + 1))
                 out.backward(grad)
             x = inputs.pop(j)

@@ -333,6 +333,76 @@ W_MC = [
     ("answers (c): right m but confuses 1F1B's memory with GPipe's (1F1B holds at most p)", 'microbatch_answer = "c"\n'),
 ]
 
+# Second round: wrong answers that kept full marks before the checks named in each.
+X4_CPU_F32_BUFFERS = r'''%%writefile engine_impl.py
+"""Exercise 2 of lab 09."""
+import torch
+import torch.distributed as dist
+
+
+def pipeline_step(stage, ops, micro_inputs, micro_targets, activation_shape):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == world - 1
+    m = sum(1 for kind, _ in ops if kind == "F")
+    device = next(stage.parameters()).device
+    dtype = next(stage.parameters()).dtype
+    inputs, outputs, losses = {}, {}, {}
+    pending = []
+    for kind, j in ops:
+        if kind == "F":
+            if first:
+                x = micro_inputs[j]
+            else:
+                x = torch.zeros(activation_shape)
+                dist.recv(x, src=rank - 1)
+                x.requires_grad_()
+            if last:
+                out = stage(x, micro_targets[j])
+                losses[j] = out.item()
+            else:
+                out = stage(x)
+                pending.append(dist.isend(out.detach(), dst=rank + 1))
+            inputs[j], outputs[j] = x, out
+        else:
+            x, out = inputs.pop(j), outputs.pop(j)
+            if last:
+                (out / m).backward()
+            else:
+                g = torch.empty_like(out)
+                dist.recv(g, src=rank + 1)
+                out.backward(g)
+            if not first:
+                pending.append(dist.isend(x.grad, dst=rank - 1))
+            del x, out
+    for w in pending:
+        w.wait()
+    return [losses[j] for j in sorted(losses)] if last else []
+'''
+
+X1_READ_OFF_THE_PLAYER = r'''from lablib.parallel import pipeline as _pl
+
+
+def bubble_fraction(n_stages, n_microbatches):
+    """Read off lablib's player instead of derived."""
+    return _pl.idle_fraction(_pl.play(one_f_one_b_schedule(n_stages, n_microbatches)))
+
+
+def peak_in_flight(schedule, n_stages, n_microbatches, stage):
+    fn = gpipe_schedule if schedule == "gpipe" else one_f_one_b_schedule
+    return _pl.peak_held(fn(n_stages, n_microbatches)[stage])
+'''
+
+W_ENGINE += [
+    ("receive buffers made as torch.zeros(activation_shape): float32 on the CPU whatever the stage holds, so it breaks "
+     "on GPUs (NCCL receives into GPU memory) and with any other dtype (caught by the hidden float64 run)",
+     X4_CPU_F32_BUFFERS),
+]
+W_FORM += [
+    ("bubble_fraction and peak_in_flight read off lablib's player (play, idle_fraction, peak_held) run on exercise 1's "
+     "schedules: no formula of p and m (caught by running the hidden cases with lablib.parallel.pipeline refused)",
+     X1_READ_OFF_THE_PLAYER),
+]
+
 WRONG_ANSWERS = {
     "schedules": W_SCHED,
     "pipeline_engine": W_ENGINE,
@@ -340,15 +410,26 @@ WRONG_ANSWERS = {
     "microbatch_answer": W_MC,
 }
 
+# The reviewer's two engines made their receive buffers as torch.empty(shape): float32 on the CPU, which the graded
+# float64 run (added after the second round, x4 below) refuses. As correct variants they get buffers in the stage's
+# dtype; ENGINE stays as written, the base of the wrong answers above.
+ENGINE_DTYPE = _sub(ENGINE, "                x = torch.empty(activation_shape)\n",
+                    "                x = torch.empty(activation_shape, dtype=next(stage.parameters()).dtype)\n")
+ENGINE_VARIANT_IMPORTS_DTYPE = _sub(
+    _sub(ENGINE_VARIANT_IMPORTS, "def _receive(shape, peer, like=None):\n    buf = torch.empty(shape) if like is None",
+         "def _receive(shape, peer, like=None, dtype=None):\n    buf = torch.empty(shape, dtype=dtype) if like is None"),
+    "x = _receive(activation_shape, rank - 1).requires_grad_()",
+    "x = _receive(activation_shape, rank - 1, dtype=next(stage.parameters()).dtype).requires_grad_()")
+
 CORRECT_VARIANTS = {
     "schedules": [
         ("straightforward list-building, explicit ValueError", SCHED),
         ("iterator-driven (next(fwd)/next(bwd)) formulation of the same orders, helper for validation", SCHED_VARIANT),
     ],
     "pipeline_engine": [
-        ("torch.distributed module with blocking recv and isend kept alive until the end", ENGINE),
+        ("torch.distributed module with blocking recv and isend kept alive until the end", ENGINE_DTYPE),
         ("`from torch.distributed import isend, irecv, ...`, irecv waited immediately in a helper, loss scaled by 1/m "
-         "before backward via torch.autograd.backward", ENGINE_VARIANT_IMPORTS),
+         "before backward via torch.autograd.backward", ENGINE_VARIANT_IMPORTS_DTYPE),
     ],
     "bubble_formulas": [
         ("direct quotient (p-1)/(m+p-1) and closed forms", FORM),

@@ -142,6 +142,50 @@ def save(state, checkpoint):
     dcp_save(state_dict={"app": state}, checkpoint_id=checkpoint)
 '''
 
+
+# The red team's per-rank RNG files beside DCP's checkpoint (second round): exact at 2 ranks; at 2 -> 1 rank
+# rng_rank0.pt exists, so old rank 0's generators come back (at 2 -> 4 ranks 2 and 3 would find no file).
+APP_RNG_FILES = HEADER + r"""import os
+import torch.distributed as dist
+""" + APP[len(HEADER):APP.index("\n\ndef start(")] + r"""
+
+
+class _WithoutRng(Stateful):
+    '''DCP sees everything but the generators, which go to one file per rank.'''
+
+    def __init__(self, app, rng_path=None):
+        self.app, self.rng_path = app, rng_path
+
+    def state_dict(self):
+        sd = self.app.state_dict()
+        sd.pop("rng")
+        return sd
+
+    def load_state_dict(self, sd):
+        sd["rng"] = per_rank(torch.load(self.rng_path, weights_only=False))
+        self.app.load_state_dict(sd)
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def start(model, shard, make_optimizer, make_scheduler, sampler, checkpoint):
+    model = shard(model)
+    optimizer = make_optimizer(model.parameters())
+    scheduler = make_scheduler(optimizer)
+    state = AppState(model, optimizer, scheduler, sampler)
+    if checkpoint is not None:
+        dcp.load({"app": _WithoutRng(state, os.path.join(checkpoint, f"rng_rank{_rank()}.pt"))}, checkpoint_id=checkpoint)
+    return state
+
+
+def save(state, checkpoint):
+    mine = this_rank(state.state_dict()["rng"])
+    dcp.save({"app": _WithoutRng(state)}, checkpoint_id=checkpoint)
+    torch.save(mine, os.path.join(checkpoint, f"rng_rank{_rank()}.pt"))
+"""
+
 W_APP = [
     ("RNG states saved under one key on every rank without per_rank: DCP keeps one rank's copy, both ranks get rank 1's "
      "dropout generator after a resume (breaks 'random generators ... stored per rank'; the 2-rank kill run differs)",
@@ -186,6 +230,20 @@ W_APP = [
      "'restores' into a state that is then replaced by fresh objects (scheduler/sampler/step/rng lost)",
      _sub(APP, "    state = AppState(model, optimizer, scheduler, sampler)\n    if checkpoint is not None:\n        dcp.load({\"app\": state}, checkpoint_id=checkpoint)\n",
           "    state = AppState(model, optimizer, scheduler, sampler)\n    if checkpoint is not None:\n        dcp.load({\"app\": {\"model\": state.state_dict()[\"model\"]}}, checkpoint_id=checkpoint)\n")),
+    # Second round (each kept full marks before the checks named):
+    ("calls shard(model) without keeping what it returns (right for FSDP2, which shards in place; under DDP the "
+     "wrapper is lost, so no all-reduce and the ranks drift apart; caught by the hidden start() with a shard that "
+     "returns a wrapper)",
+     _sub(APP, "    model = shard(model)\n", "    shard(model)   # shards in place\n")),
+    ("reseeds every generator with 0 when this_rank gives None: after a reshard every rank draws the same dropout "
+     "masks and noise (breaks 'keep the fresh generators'; caught by the hidden 2 -> 1 reshard's generator check)",
+     _sub(APP, '                torch.cuda.set_rng_state_all(rng["cuda"])\n',
+          '                torch.cuda.set_rng_state_all(rng["cuda"])\n'
+          '        else:                          # another world size: reseed, deterministic\n'
+          '            torch.manual_seed(0)\n            random.seed(0)\n            np.random.seed(0)\n')),
+    ("the RNG states in one torch.save file per rank beside DCP's checkpoint: at 2 -> 1 rank old rank 0's generators "
+     "come back, at 2 -> 4 ranks 2 and 3 find no file (breaks 'only the same world size can read ... loses these "
+     "points'; caught by the hidden 2 -> 1 reshard's generator check)", APP_RNG_FILES),
 ]
 
 YD = r'''import math
