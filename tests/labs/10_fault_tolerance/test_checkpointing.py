@@ -214,3 +214,13 @@ def test_a_process_start_is_read_to_the_clock_s_resolution_not_a_whole_second_ea
         first_line, start = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                                       check=True).stdout)
         assert before - 0.02 <= start <= first_line + 0.02, (before, start, first_line)
+
+
+def test_checkpoint_cost_leaves_out_each_attempts_first_save():
+    from lablib.labs.fault_tolerance import probes
+
+    saves = [{"attempt": 0, "seconds": 0.15}, {"attempt": 0, "seconds": 0.06}, {"attempt": 0, "seconds": 0.08},
+             {"attempt": 1, "seconds": 0.14}, {"attempt": 1, "seconds": 0.10}, {"attempt": 2, "seconds": 0.12}]
+    # attempt 2 made one save only: it stays (a run with one save per attempt still has a C)
+    assert probes.checkpoint_seconds({"saves": saves}) == [0.06, 0.08, 0.10, 0.12]
+    assert probes.checkpoint_seconds({}) == []
