@@ -14,6 +14,8 @@ Variants (run in the order given, each from the same initial weights, on the sam
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -81,11 +83,35 @@ class Config:
         if "hsdp" in self.variants and (world_size < 4 or world_size % 2):
             raise ValueError(f"variant 'hsdp' shards over a (2, world_size / 2) mesh: it needs an even world size "
                              f"of at least 4, not {world_size}")
+        # lablib's evaluation splits the validation set into equal contiguous shares; an Accelerate-only run
+        # evaluates with the answer's own loop (Accelerate pads the last batch), so any val_blocks is allowed there
+        accelerate_only = set(self.variants) == {"accelerate"}
         for name, divisor in (("batch_size", world_size * (self.accum_steps if "ddp_accum" in self.variants else 1)),
                               ("val_batch_size", world_size), ("val_blocks", self.val_batch_size)):
+            if name == "val_blocks" and accelerate_only:
+                continue
             if getattr(self, name) % divisor:
                 raise ValueError(f"{name}={getattr(self, name)} must be divisible by {divisor} "
                                  f"(world_size={world_size}, accum_steps={self.accum_steps})")
+
+
+@contextlib.contextmanager
+def count_gather_for_metrics():
+    """Counts calls of accelerate.Accelerator.gather_for_metrics (the one gather that drops the duplicates
+    Accelerate pads an uneven last batch with) while the block runs; yields {"calls": n}."""
+    from accelerate import Accelerator
+    original, seen = Accelerator.gather_for_metrics, {"calls": 0}
+
+    @functools.wraps(original)
+    def counted(self, *args, **kwargs):
+        seen["calls"] += 1
+        return original(self, *args, **kwargs)
+
+    Accelerator.gather_for_metrics = counted
+    try:
+        yield seen
+    finally:
+        Accelerator.gather_for_metrics = original
 
 
 # --- set-up per variant: (model, env, config) -> (model, training.Parts or None for Accelerate, extras) ---
@@ -184,10 +210,12 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
                           config.eval_every, ddp_log=ddp_log)
         if parts is None:
             accelerate = load_module(config.accelerate_impl, required=("train_loop",))
-            with count_collectives() as loop_log:   # DDP's bucket all-reduces are not seen here: the rest is
+            with count_collectives() as loop_log, count_gather_for_metrics() as metric_gathers:
+                # DDP's bucket all-reduces are not seen here: the rest is
                 curve, trained = accelerate.train_loop(model, optimizer, train_set, val_set, config, meter), model
-            # gather_for_metrics all-gathers; nothing else in an Accelerate loop over a DDP model does
+            # gather_for_metrics all-gathers; so does accelerator.gather, which keeps Accelerate's padding
             result["gathers_in_loop"] = sum(n for name, n in loop_log.counts().items() if "gather" in name)
+            result["gather_for_metrics_calls"] = metric_gathers["calls"]
         else:
             curve, trained = training.train_loop(model, optimizer, train_set, val_set, config, env, parts, meter)
         result.update(meter.summary())
