@@ -146,6 +146,8 @@ def _leaves(output):
             todo.append(x.grad_fn)
         elif isinstance(x, (tuple, list)):
             todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
         elif x is not None and not isinstance(x, (int, float, str)) and id(x) not in seen:
             seen.add(id(x))
             if type(x).__name__ == "AccumulateGrad":
