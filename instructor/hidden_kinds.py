@@ -215,9 +215,7 @@ _TABLE = [
     _ex("08_tensor_parallel", "forward_bytes_answer", value_answer=True),
     # --- lab 06 ---
     _ex("06_ddp_from_scratch", "ddp_individual", ("gradients", "communication")),
-    _ex("06_ddp_from_scratch", "assign_buckets",
-        steps="a pure function of the sizes and the cap: nothing is kept between calls, so every hidden case is "
-              "already a fresh step"),
+    _ex("06_ddp_from_scratch", "assign_buckets"),   # steps: called again after the caller changed its last answer
     _ex("06_ddp_from_scratch", "ddp_bucketed", ("gradients", "communication")),
     _ex("06_ddp_from_scratch", "one_bucket_answer", value_answer=True),
     _ex("09_pipeline_parallel", "schedules"),

@@ -15,7 +15,10 @@ one rule each:
   ranks' sequences of all-reduces equal. In the ``alternating`` case every rank takes branch a on even steps and
   branch b on odd ones: the unused parameters change from step to step (bookkeeping kept from an earlier step shows);
 - ``ReadyInOrder(order)``: equal parameters whose gradients become final in a given order (``readiness_case``):
-  inside one bucket, an order other than the bucket's (reverse registration).
+  inside one bucket, an order other than the bucket's (reverse registration);
+- ``SeveralOutputs(kind)``: a forward that returns several tensors, a dict (``"dict"``) or a tuple whose second
+  element is a list (``"tuple"``), each output from its own head: the search for unused parameters must follow
+  every output, not only a tensor or the first element.
 """
 
 from __future__ import annotations
@@ -103,6 +106,40 @@ class ReadyInOrder(nn.Module):
         return x.sum(dim=1, keepdim=True)
 
 
+class SeveralOutputs(nn.Module):
+    """A shared body, then three heads of their own parameters; the forward returns their outputs as a dict
+    (``kind="dict"``: {"a": ..., "b": ..., "c": ...}) or as a tuple (``kind="tuple"``: (a, [b, c])). The loss
+    sums the outputs' losses (``loss_of``)."""
+
+    KINDS = ("dict", "tuple")
+
+    def __init__(self, kind, d_in=16, width=24):
+        super().__init__()
+        if kind not in self.KINDS:
+            raise ValueError(f"kind={kind!r} must be one of {self.KINDS}")
+        self.kind = kind
+        self.body = nn.Linear(d_in, width)
+        self.head_a = nn.Linear(width, 1)
+        self.head_b = nn.Linear(width, 1)
+        self.head_c = nn.Linear(width, 1)
+
+    def forward(self, x):                        # (batch, d_in) -> 3 x (batch, 1)
+        h = torch.tanh(self.body(x))
+        a, b, c = self.head_a(h), self.head_b(h), self.head_c(h)
+        return {"a": a, "b": b, "c": c} if self.kind == "dict" else (a, [b, c])
+
+
+def _tensors(output) -> list:
+    """The tensors in a model's output: a tensor, or tuples, lists, dicts of them (nested)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    raise TypeError(f"a model output of type {type(output).__name__}: expected tensors, tuples, lists, dicts")
+
+
 @dataclass(frozen=True)
 class Case:
     build: object          # () -> nn.Module (called after seeding)
@@ -111,6 +148,7 @@ class Case:
     steps: int = 0         # steps (0: the run's steps)
     routed: bool = False   # each rank's shard picks its own branch (the reference sums per-shard losses)
     alternating: bool = False   # every rank takes the same branch, a on even steps, b on odd ones
+    clear: str = ""        # how the loop leaves .grad before each step (probe.CLEARS; "": the run's)
 
 
 def _tiny_gpt():
@@ -128,8 +166,12 @@ CASES = {
     "reshuffled": Case(lambda: ToyNet(widths=(40, 40)), steps=6),         # more steps, a new batch order each
     "reordered": Case(Reordered, cap_mb=1e-6),                            # ready before its bucket's turn
     "routed": Case(Routed, cap_mb=1e-6, routed=True),                     # unused parameters differ by rank
+    "routed_accumulated": Case(Routed, cap_mb=1e-6, routed=True, clear="accumulated"),   # ... and .grad kept
+    "routed_zeroed": Case(Routed, cap_mb=1e-6, routed=True, clear="set_to_none=False"),  # ... and .grad zeroed
     "float64": Case(lambda: ToyNet().double()),                           # another dtype (8-byte gradients)
     "alternating": Case(Routed, cap_mb=1e-6, alternating=True),           # the unused parameters change by step
+    "dict_out": Case(lambda: SeveralOutputs("dict"), cap_mb=1e-6),       # outputs in a dict
+    "tuple_out": Case(lambda: SeveralOutputs("tuple"), cap_mb=1e-6),     # (a, [b, c]): not all in output[0]
 }
 
 
@@ -159,7 +201,10 @@ def global_batch(case: Case, step: int, world_size: int, per_rank: int, seed: in
 def loss_of(model, case: Case, x, y):
     if case.tokens:
         return model(x, y)[1]
-    return F.mse_loss(model(x.to(_dtype(model)).contiguous()), y.to(_dtype(model)))
+    out = model(x.to(_dtype(model)).contiguous())
+    if isinstance(out, torch.Tensor):
+        return F.mse_loss(out, y.to(_dtype(model)))
+    return sum(F.mse_loss(o, y.to(_dtype(model))) for o in _tensors(out))   # several outputs: their losses summed
 
 
 def reference_loss(model, case: Case, x, y, world_size: int):

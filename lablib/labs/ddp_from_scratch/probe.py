@@ -123,9 +123,10 @@ def probe_steps(impl, wrapper: str, case_name, env, group=None, steps: int | Non
     the loop leaves .grad before each step (``CLEARS``), the wrapper and the single-process reference alike;
     ``call(fn, *args, mutable=..., what=..., **kwargs)``, if given, makes the wrapper's construction and every
     forward (a hidden check's ``HiddenCheck.call``)."""
+    case = CASES[case_name] if isinstance(case_name, str) else case_name
+    clear = case.clear or clear                           # a case that fixes it (routed_accumulated) wins
     if clear not in CLEARS:
         raise ValueError(f"clear={clear!r} must be one of {CLEARS}")
-    case = CASES[case_name] if isinstance(case_name, str) else case_name
     steps = case.steps or steps or 3
     cap = case.cap_mb or bucket_size_mb
     world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -199,6 +200,7 @@ def probe_steps(impl, wrapper: str, case_name, env, group=None, steps: int | Non
                     "ready": [(t - t0, i) for t, i in ready], "backward_done": backward_done - t0,
                     "waits_in_backward": sum(phase in ("forward", "backward") for phase in waits),
                     "waits_after_backward": sum(phase == "after_backward" for phase in waits),
+                    "async_reduces": sum(c.asynchronous for c in reduces),
                     "grad_is_none": grad_is_none, "grad_was_none": none_before,
                     "globally_unused": [i for i, n in enumerate(used.tolist()) if n == 0]})
                 # The reference, in lockstep: rank 0's initial weights trained by one process on the whole batch.
@@ -304,6 +306,12 @@ def check_probe(r, wrapper: str) -> None:
                               "gradient, as DDP does (zeros would still be decayed by AdamW): all-reduce a usage map, "
                               "this step's (nothing kept from an earlier step)")
         problems += ddp_order.wait_problems(step)
+        waited, started = step.get("waits_after_backward", 0), step.get("async_reduces", 0)
+        if waited < started:
+            problems.append(f"finish_gradient_synchronization waited {ddp_order.plural(waited, 'time')} for "
+                            f"{ddp_order.plural(started, 'asynchronous all-reduce')}: every handle must be waited "
+                            f"for (one finished says nothing of the others), or a .grad may be read before its "
+                            f"all-reduce has written it")
         first = r["steps_recorded"][0]
         if i and step.get("waits_after_backward", 0) * max(len(first["bytes"]), 1) > \
                 first.get("waits_after_backward", 0) * max(len(step["bytes"]), 1):

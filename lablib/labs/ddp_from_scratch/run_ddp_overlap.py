@@ -46,6 +46,7 @@ from lablib.jobs import script
 from lablib.jobs import config as cfg
 from lablib.jobs.exercise import load_fresh, require_file
 from lablib.jobs.distenv import gather_objects
+from lablib.labs.ddp_from_scratch.order import buckets_and_usage_map
 from lablib.labs.ddp_from_scratch.training import PHASES, Batches, finish, new_gpt, train_step, wrap  # noqa: F401
 
 

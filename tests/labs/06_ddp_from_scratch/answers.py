@@ -146,6 +146,8 @@ def _leaves(output):
             todo.append(x.grad_fn)
         elif isinstance(x, (tuple, list)):
             todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
         elif x is not None and not isinstance(x, (int, float, str)) and id(x) not in seen:
             seen.add(id(x))
             if type(x).__name__ == "AccumulateGrad":
@@ -198,8 +200,11 @@ class DDPBucketed(_Synchronizer):
     def _grad_ready(self, param):
         if self._unused:                       # the first hook of the step marks the unused ones, as DDP's reducer
             unused, self._unused = self._unused, None
-            for p in unused:
-                self._view(p).zero_()
+            for p in unused:                   # its .grad (a loop may keep one) in its place, zeros where None
+                if p.grad is None:
+                    self._view(p).zero_()
+                else:
+                    self._view(p).copy_(p.grad)
                 self._ready(p)
         self._local[self._pos[id(param)]] = 1
         view = self._view(param)

@@ -579,10 +579,242 @@ ONE_CORRECT = [
     ("(b), written through a variable", 'choice = "b"\none_bucket_answer = choice\n'),
 ]
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# A later red team's answers that kept full marks (each cell is their reference answer with one change)
+# ----------------------------------------------------------------------------------------------------------------
+RT3_IND_REF = r'''%%writefile ddp_individual_impl.py
+"""Exercise 1 of lab 06: one asynchronous all-reduce per parameter (this file is written by the notebook)."""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class DDPIndividualParameters(nn.Module):
+    """Data parallelism with one all-reduce per parameter, started as soon as that gradient is ready."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0)
+        self._handles = []
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, param):
+        """The hook: runs inside backward once param.grad holds this step's whole gradient on this rank."""
+        param.grad.div_(dist.get_world_size())
+        self._handles.append(dist.all_reduce(param.grad, async_op=True))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        for h in self._handles:
+            h.wait()
+        self._handles = []
+'''
+
+RT3_ASSIGN_REF = r'''%%writefile buckets_impl.py
+"""Exercise 2 of lab 06: gradient buckets (this file is written by the notebook)."""
+
+MIB = 2**20   # "MB" of a bucket cap, as DDP's bucket_cap_mb counts it
+
+
+def assign_buckets(param_bytes, bucket_size_mb):
+    """Buckets (lists of indices into param_bytes) of consecutive parameters, at most bucket_size_mb MiB each;
+    a parameter larger than the cap alone in its bucket."""
+    cap = bucket_size_mb * MIB
+    buckets, current, size = [], [], 0
+    for i, b in enumerate(param_bytes):
+        if current and size + b > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += b
+    if current:
+        buckets.append(current)
+    return buckets
+'''
+
+RT3_BUCK_REF = r'''%%writefile ddp_bucketed_impl.py
+"""Exercise 3 of lab 06: bucketed all-reduce overlapped with the backward (this file is written by the notebook)."""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from buckets_impl import assign_buckets   # exercise 2
+
+
+def reached_parameters(output) -> set:
+    """ids of the leaf tensors the autograd graph of ``output`` (a tensor, or tuples, lists, dicts of them)
+    reaches: DDP's search for unused parameters at the end of the forward. A leaf that requires grad appears
+    in the graph as an AccumulateGrad node, whose ``.variable`` is the leaf."""
+    roots, stack = [], [output]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.grad_fn is not None:
+                roots.append(o.grad_fn)
+            elif o.requires_grad:
+                roots.append(None); found_leaf = o
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    reached, seen, stack = set(), set(), [r for r in roots if r is not None]
+    for o in ([output] if isinstance(output, torch.Tensor) else []):
+        if o.grad_fn is None and o.requires_grad:
+            reached.add(id(o))
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            reached.add(id(fn.variable))
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return reached
+
+
+class DDPBucketed(nn.Module):
+    """Data parallelism with one flat all-reduce per bucket, launched in bucket order as soon as it is full."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0)
+        self._params = list(reversed([p for p in module.parameters() if p.requires_grad]))
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        sizes = [p.numel() * p.element_size() for p in self._params]
+        self._buckets = assign_buckets(sizes, bucket_size_mb)
+        self._bucket_of = {}
+        for k, b in enumerate(self._buckets):
+            for i in b:
+                self._bucket_of[i] = k
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._new_step()
+
+    def _new_step(self):
+        """Bookkeeping for a new step (the buckets stay): called at the end of __init__ and of
+        finish_gradient_synchronization."""
+        self._ready = [False] * len(self._params)
+        self._missing = [len(b) for b in self._buckets]
+        self._next = 0
+        self._used = torch.zeros(len(self._params))
+        self._flats = {}
+        self._handles = []
+
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            reached = reached_parameters(out)
+            for i, p in enumerate(self._params):
+                if id(p) not in reached:
+                    self._mark_ready(i)
+        return out
+
+    def _grad_ready(self, param):
+        """The hook: runs inside backward once param.grad holds this step's whole gradient on this rank."""
+        i = self._index[id(param)]
+        self._used[i] = 1.0
+        self._mark_ready(i)
+
+    def _mark_ready(self, i):
+        """Parameter i (its index in reverse registration order, the order assign_buckets saw) is ready: launch
+        every bucket that may go now, in index order."""
+        if self._ready[i]:
+            return
+        self._ready[i] = True
+        self._missing[self._bucket_of[i]] -= 1
+        while self._next < len(self._buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, index):
+        """Start the asynchronous all-reduce of bucket ``index`` as one flat buffer."""
+        parts = []
+        for i in self._buckets[index]:
+            p = self._params[i]
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            parts.append(g.detach().reshape(-1))
+        flat = torch.cat(parts).div_(dist.get_world_size())
+        self._flats[index] = flat
+        self._handles.append(dist.all_reduce(flat, async_op=True))
+
+    def finish_gradient_synchronization(self):
+        for h in self._handles:
+            h.wait()
+        dist.all_reduce(self._used)
+        for k, b in enumerate(self._buckets):
+            flat, offset = self._flats[k], 0
+            for i in b:
+                p = self._params[i]
+                n = p.numel()
+                if self._used[i] > 0:
+                    mean = flat[offset:offset + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = mean.clone()
+                    else:
+                        p.grad.copy_(mean)
+                offset += n
+        self._new_step()
+'''
+
+
+def _rt3(old, new, ref=None):
+    ref = RT3_BUCK_REF if ref is None else ref
+    assert old in ref, old
+    return ref.replace(old, new)
+
+
+RT3_IND_WRONG = [
+    ("waits only for the last handle ('gloo runs them in order'): the other all-reduces may still be writing their "
+     ".grad when the optimizer reads it (caught by chance before: every handle must now be waited for)",
+     _rt3("        for h in self._handles:\n            h.wait()\n",
+          "        if self._handles:\n            self._handles[-1].wait()   # gloo runs them in order\n", RT3_IND_REF)),
+]
+
+RT3_ASSIGN_WRONG = [
+    ("caches its answers and returns the same list again: a caller that changed the first answer gets the change "
+     "back from the next call",
+     _rt3("    cap = bucket_size_mb * MIB\n",
+          "    key = (tuple(param_bytes), bucket_size_mb)\n    if key in _cache:\n        return _cache[key]\n"
+          "    cap = bucket_size_mb * MIB\n", RT3_ASSIGN_REF)
+     .replace("def assign_buckets(", "_cache = {}\n\n\ndef assign_buckets(", 1)
+     .replace("        buckets.append(current)\n    return buckets", "        buckets.append(current)\n    _cache[key] = buckets\n    return buckets", 1)),
+]
+
+
+RT3_BUCK_WRONG = [
+    ("zeros in the bucket for a parameter this rank did not use even where it already has a .grad (the loop "
+     "accumulates): its .grad must go in its place, zeros only where .grad is None (routed with .grad kept: "
+     "0.063 from the single process)",
+     _rt3("g = p.grad if p.grad is not None else torch.zeros_like(p)",
+          "g = p.grad if (p.grad is not None and self._used[i] > 0) else torch.zeros_like(p)")),
+    ("reached_parameters ignores dict outputs ('a tensor, or tuples, lists, dicts of them'): on a forward that "
+     "returns a dict it reaches no parameter, every bucket goes out with zeros at the forward's end",
+     _rt3("        elif isinstance(o, dict):\n            stack.extend(o.values())\n", "")),
+    ("reached_parameters follows output[0] only, and the forward marks unused parameters also in a no_grad "
+     "forward: a second output's own parameters go out as zeros at the forward's end",
+     _rt3("        if torch.is_grad_enabled():\n            reached = reached_parameters(out)",
+          "        if True:\n            reached = reached_parameters(out)")
+     .replace('    roots, stack = [], [output]\n',
+              '    if isinstance(output, (tuple, list)):\n        output = output[0]          # the first output carries the graph\n'
+              '    roots, stack = [], [output]\n', 1)),
+]
+
 WRONG_ANSWERS = {
-    "ddp_individual": IND_WRONG,
-    "assign_buckets": ASSIGN_WRONG,
-    "ddp_bucketed": [*BUCK_WRONG, *[(f"(old contract's correct variant) {d}", s) for d, s in BUCK_CORRECT]],
+    "ddp_individual": [*IND_WRONG, *RT3_IND_WRONG],
+    "assign_buckets": [*ASSIGN_WRONG, *RT3_ASSIGN_WRONG],
+    "ddp_bucketed": [*BUCK_WRONG, *[(f"(old contract's correct variant) {d}", s) for d, s in BUCK_CORRECT],
+                     *RT3_BUCK_WRONG],
     "one_bucket_answer": ONE_WRONG,
 }
 
