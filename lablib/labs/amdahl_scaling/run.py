@@ -247,7 +247,8 @@ def run(env, config: Config) -> dict:
     by_world_size = {n: summarize(env, r, config) for n, r in mine.items()}
     result = {"by_world_size": by_world_size, "processes": env.world_size,
               "threads_per_rank": torch.get_num_threads(), "steps": steps,
-              "timed_steps": steps - config.warmup_steps, "load_1min": load, "cores": os.cpu_count(),
+              "timed_steps": steps - config.warmup_steps, "load_1min": load,
+              "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
               "order": [list(rotation(s)) for s in range(config.warmup_steps, steps)]}
     if env.is_main:
         # Rank 0 is in every group, so it holds the weights trained at every world size: compare them.
