@@ -27,7 +27,7 @@ from lablib.jobs import config as cfg
 from lablib.course import data
 from lablib.jobs import script
 from lablib.measure.benchmark import StepMeter
-from lablib.measure.counting import count_collectives, count_ddp_models
+from lablib.measure.counting import count_ddp_models
 from lablib.parallel.activation_checkpointing import apply_activation_checkpointing
 from lablib.jobs.exercise import load_module, require_file
 from lablib.measure.memory import local_tensor
@@ -210,11 +210,9 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
                           config.eval_every, ddp_log=ddp_log)
         if parts is None:
             accelerate = load_module(config.accelerate_impl, required=("train_loop",))
-            with count_collectives() as loop_log, count_gather_for_metrics() as metric_gathers:
-                # DDP's bucket all-reduces are not seen here: the rest is
+            # gather_for_metrics counted by name: accelerator.gather also all-gathers, but keeps Accelerate's padding
+            with count_gather_for_metrics() as metric_gathers:
                 curve, trained = accelerate.train_loop(model, optimizer, train_set, val_set, config, meter), model
-            # gather_for_metrics all-gathers; so does accelerator.gather, which keeps Accelerate's padding
-            result["gathers_in_loop"] = sum(n for name, n in loop_log.counts().items() if "gather" in name)
             result["gather_for_metrics_calls"] = metric_gathers["calls"]
         else:
             curve, trained = training.train_loop(model, optimizer, train_set, val_set, config, env, parts, meter)
