@@ -47,6 +47,7 @@ class Recorder:
         self.prefix, self.attempt = prefix, 0
         self.world_size = world_size or self.world_size
         self.inits, self.destroys, self.saves, self.loads, self.set_devices, self.lablib_calls = [], 0, [], [], [], []
+        self.barriers_entered = 0
 
     def init(self, *args, **kwargs):
         names = ("backend", "init_method", "timeout", "world_size", "rank", "store", "group_name", "pg_options",
@@ -88,18 +89,28 @@ class Recorder:
         return f"lab00/{self.prefix}/{what}"
 
     def _mark(self, what: str) -> None:
-        """Tell rank 0's save where this rank is: "in_barrier", "left_barrier" or "loading" (torchrun's store)."""
+        """Tell rank 0's save that this rank has tried to load ("loading"; torchrun's store)."""
         if self.store is not None:
             self.store.set(self._key(f"reached/{self.rank}"), what)
+
+    def _waits_for_rank0(self, rank: int) -> bool:
+        """Rank ``rank`` can go no further without rank 0: it has tried to load, or it waits in a barrier that rank 0
+        has not entered yet (it entered more barriers than rank 0 has). Counting barriers, not reading an "in the
+        barrier" flag, keeps this exact however the ranks are scheduled: a flag set before a barrier that rank 0 has
+        already passed can still read "in the barrier" for a moment after that barrier returned on rank ``rank``
+        (a barrier before the save then kept full marks on a busy machine)."""
+        reached, entered = self._key(f"reached/{rank}"), self._key(f"entered/{rank}")
+        if self.store.check([reached]) and self.store.get(reached) == b"loading":
+            return True
+        return self.store.check([entered]) and int(self.store.get(entered)) > self.barriers_entered
 
     def save(self, obj, f, *args, **kwargs):
         self.saves.append(str(f))
         if self.store is not None and self.rank == 0:
-            # write only once every other rank waits inside a barrier or has tried to load (or after save_delay_s)
+            # write only once every other rank waits for rank 0 in a barrier or has tried to load (or after
+            # save_delay_s)
             deadline = time.monotonic() + self.save_delay_s
-            others = [self._key(f"reached/{r}") for r in range(1, self.world_size)]
-            while time.monotonic() < deadline and not all(
-                    self.store.check([key]) and self.store.get(key) in (b"in_barrier", b"loading") for key in others):
+            while time.monotonic() < deadline and not all(self._waits_for_rank0(r) for r in range(1, self.world_size)):
                 time.sleep(0.02)
         try:
             return self.real["save"](obj, f, *args, **kwargs)
@@ -108,11 +119,10 @@ class Recorder:
                 self.store.set(self._key("saved"), "1")
 
     def _barrier(self, real, *args, **kwargs):
-        self._mark("in_barrier")
-        try:
-            return real(*args, **kwargs)
-        finally:
-            self._mark("left_barrier")
+        self.barriers_entered += 1
+        if self.store is not None:
+            self.store.set(self._key(f"entered/{self.rank}"), str(self.barriers_entered))
+        return real(*args, **kwargs)
 
     def barrier(self, *args, **kwargs):
         return self._barrier(self.real["barrier"], *args, **kwargs)
