@@ -65,3 +65,38 @@ def test_every_module_holds_one_idea():
     long = {str(p.relative_to(REPO)): n for p in sorted(LABLIB.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split each by idea): {long}"
+
+
+def _undefined_names(source: str, filename: str) -> list[str]:
+    """pyflakes' findings of a name used where nothing defines it (the NameError a run would meet), nothing else."""
+    import ast
+
+    from pyflakes import checker, messages
+
+    found = checker.Checker(ast.parse(source, filename=filename), filename=filename).messages
+    kinds = (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)
+    return [str(m) for m in found if isinstance(m, kinds)]
+
+
+def _notebook_code(path: Path) -> str:
+    """A notebook's code cells in order, as one module (a line of IPython magic or shell becomes a comment)."""
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    code = ("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    return "\n\n".join("\n".join("pass  # " + line if line.lstrip().startswith(("%", "!")) else line
+                                 for line in text.splitlines()) for text in code)
+
+
+def test_no_name_is_used_where_nothing_defines_it():
+    # The run scripts' measurement paths run only in a lab's live check (minutes); a name lost in a module split (an
+    # import left behind) is caught here in seconds. pyflakes reads every module of lablib, instructor and the
+    # tests, and each solution notebook's code cells in order.
+    assert _undefined_names("def f():\n    return overlap_fraction(1)\n", "probe.py"), "the checker finds nothing"
+    found = []
+    for root in ("lablib", "instructor", "tests", "launchers"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            found += _undefined_names(path.read_text(), str(path.relative_to(REPO)))
+    for path in sorted((REPO / "solutions").glob("*/*.ipynb")):
+        found += _undefined_names(_notebook_code(path), str(path.relative_to(REPO)))
+    assert not found, "names used where nothing defines them:\n" + "\n".join(found)

@@ -106,7 +106,7 @@ def zero_memory_on_gpu(env, config: Config) -> dict:
         if env.is_main:
             print(f"{variant:13s} rank 0: counted at most {counted / 1e6:.3f} MB of model states, allocator peak "
                   f"{peak / 1e6:.3f} MB", flush=True)
-        del wrapped, opt, model, sharded
+        wrapped = opt = model = sharded = None   # freed before the next variant's baseline (moment() read them)
     return {"variants": out}
 
 
