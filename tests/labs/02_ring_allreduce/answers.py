@@ -174,3 +174,80 @@ latency_answer = "a"
 '''),
     ],
 }
+
+# Right answers written otherwise (they must keep full marks).
+CORRECT_VARIANTS = {
+    "ring_cost": [
+        ("the factor written as 2M - 2M/N, the latency term first; N = 1 handled without a division by zero", '''
+def ring_bytes_per_rank(n_bytes, world_size):
+    if world_size == 1:
+        return 0.0
+    return 2 * n_bytes - 2 * n_bytes / world_size
+
+
+def ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s=0.0):
+    latency = alpha_s * 2 * (world_size - 1)
+    return latency + ring_bytes_per_rank(n_bytes, world_size) / bandwidth_bytes_per_s
+'''),
+    ],
+    "ring_allreduce": [
+        ("blocking send and recv, ordered by rank parity (even ranks send first, odd ranks receive first): no "
+         "deadlock for any N >= 2, the same bytes to the same neighbour", _RING_HEADER + '''
+    chunks = torch.tensor_split(tensor.view(-1), n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def exchange(out, into):
+        if rank % 2 == 0:
+            comm.send(out, right)
+            comm.recv(into, left)
+        else:
+            comm.recv(into, left)
+            comm.send(out, right)
+
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv_i])
+        exchange(chunks[send_i], incoming)
+        chunks[recv_i].add_(incoming)
+    for step in range(n - 1):
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        exchange(chunks[send_i], chunks[recv_i])
+    return tensor
+'''),
+        ("chunk bounds computed by hand (narrow on the flattened view), a while loop, the waits in reverse order",
+         _RING_HEADER + '''
+    flat = tensor.view(-1)
+    m = flat.numel()
+    base, extra = divmod(m, n)
+    bounds = [(i * base + min(i, extra), base + (1 if i < extra else 0)) for i in range(n)]
+    chunk = lambda i: flat.narrow(0, *bounds[i])
+    right, left = (rank + 1) % n, (rank - 1) % n
+    step = 0
+    while step < n - 1:
+        out, into = chunk((rank - step) % n), chunk((rank - step - 1) % n)
+        buf = torch.empty_like(into)
+        recv = comm.irecv(buf, left)
+        send = comm.isend(out, right)
+        recv.wait()
+        send.wait()
+        into.add_(buf)
+        step += 1
+    step = 0
+    while step < n - 1:
+        send = comm.isend(chunk((rank + 1 - step) % n), right)
+        recv = comm.irecv(chunk((rank - step) % n), left)
+        recv.wait()
+        send.wait()
+        step += 1
+    return tensor
+'''),
+    ],
+    "gradient_cost": [
+        ("bytes per element from dtype.itemsize", '''
+def gradient_allreduce_cost(n_params, dtype, world_size, bandwidth_bytes_per_s, alpha_s=0.0):
+    n_bytes = n_params * dtype.itemsize
+    seconds = ring_allreduce_time(n_bytes, world_size, bandwidth_bytes_per_s, alpha_s=alpha_s)
+    return ring_bytes_per_rank(n_bytes, world_size), seconds
+'''),
+    ],
+}
