@@ -93,7 +93,10 @@ def noise_verdict(ratios: Sequence[float], floor: Sequence[float], comparisons: 
     rounds lie above the floor's highest ratio, "faster" when that many lie below its lowest, otherwise "within
     noise". ``needed`` is the fewest rounds whose ``beyond_all_chance`` stays at or under alpha / (2 comparisons):
     over a table of ``comparisons`` rows, each read both ways, the chance that noise alone prints any verdict is
-    then at most alpha (Bonferroni). ``needed`` is None when no count of rounds gets there (too few rounds)."""
+    then at most alpha (Bonferroni). ``needed`` is None when no count of rounds gets there (too few rounds). With
+    many rounds (12 against 12 needs only 5) enough rounds can lie above the floor and enough below it at once: the
+    row is then noisier than the floor (or drifted during the run) but on neither side of it, and the verdict is
+    "within noise" with ``both_ways`` set, never the first direction checked."""
     if not ratios or not floor or comparisons < 1:
         raise ValueError(f"{len(ratios)} ratios and {len(floor)} floor ratios (need both), comparisons={comparisons}")
     level = alpha / (2 * comparisons)
@@ -102,11 +105,12 @@ def noise_verdict(ratios: Sequence[float], floor: Sequence[float], comparisons: 
     above = sum(r > max(floor) for r in ratios)
     below = sum(r < min(floor) for r in ratios)
     verdict = "within noise"
-    if needed is not None and above >= needed:
+    slower, faster = needed is not None and above >= needed, needed is not None and below >= needed
+    if slower and not faster:
         verdict = "slower"
-    elif needed is not None and below >= needed:
+    elif faster and not slower:
         verdict = "faster"
-    return {"verdict": verdict, "above": above, "below": below, "needed": needed,
+    return {"verdict": verdict, "above": above, "below": below, "needed": needed, "both_ways": slower and faster,
             "chance": beyond_all_chance(len(ratios), len(floor), needed) if needed else None, "level": level}
 
 

@@ -242,3 +242,15 @@ def test_noise_verdict_needs_enough_rounds_beyond_the_floor():
     assert timing.noise_verdict([9.0] * 4, floor[:4], 11)["needed"] is None      # 4 rounds can never reach 0.23%
     with pytest.raises(ValueError):
         timing.noise_verdict([], floor, 11)
+
+
+def test_noise_verdict_on_both_sides_of_the_floor_orders_nothing():
+    # 12 against 12 rounds need 5 beyond the floor: 5 above and 7 below it at once is a row noisier than the floor (or
+    # drifting), on neither side of it; the verdict once read "slower" because that side was checked first (a review
+    # of lab 07 met it: 5 rounds above, the last three 26-39 % faster)
+    floor = [0.95, 1.05] * 6
+    both = timing.noise_verdict([1.2] * 5 + [0.9] * 7, floor, 1)
+    assert (both["needed"], both["above"], both["below"]) == (5, 5, 7)
+    assert both["verdict"] == "within noise" and both["both_ways"]
+    one = timing.noise_verdict([1.2] * 5 + [1.0] * 7, floor, 1)
+    assert one["verdict"] == "slower" and not one["both_ways"]
