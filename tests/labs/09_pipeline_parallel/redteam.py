@@ -428,6 +428,15 @@ CORRECT_VARIANTS = {
     ],
     "pipeline_engine": [
         ("torch.distributed module with blocking recv and isend kept alive until the end", ENGINE_DTYPE),
+        # Sent in as a wrong answer (its 1F1B "holds m inputs, as GPipe does"); it is not one. What 1F1B bounds is the
+        # saved activations, and autograd frees a micro-batch's at its backward (no retain_graph) whether the engine
+        # keeps its input and output tensors or not: this engine keeps 2 boundary tensors per micro-batch to the end of
+        # the step, the solution keeps 1 (each isend's Work holds its tensor until it is waited,
+        # ProcessGroupGloo.hpp:203-221, and both wait at the end), against a stage's saved activations of one
+        # micro-batch that are many boundary tensors large. Peak activations are measured on the ranks (MemoryTimeline).
+        ("keeps every micro-batch's input and output in its dicts to the end of the step (read, never popped): the "
+         "saved activations are freed at each backward all the same",
+         _sub(ENGINE_DTYPE, "            x, out = inputs.pop(j), outputs.pop(j)\n", "            x, out = inputs[j], outputs[j]\n")),
         ("`from torch.distributed import isend, irecv, ...`, irecv waited immediately in a helper, loss scaled by 1/m "
          "before backward via torch.autograd.backward", ENGINE_VARIANT_IMPORTS_DTYPE),
     ],
