@@ -32,7 +32,7 @@ TIERS = {
     "unit": ["test_checks", "test_config", "test_data", "test_hidden_kinds", "test_layout", "test_models", "test_plots",
              "test_tiers", "test_lablib_commcost", "test_lablib_memory_timeline",
              # tests/labs/<lab>/
-             "test_cp", "test_ep_probes", "test_job_recorder"],
+             "test_cp", "test_ep_probes", "test_job_recorder", "test_collectives_bench"],
     "ranks": ["test_distenv", "test_launch", "test_teardown", "test_lablib_benchmark", "test_lablib_counting",
               "test_lablib_memory", "test_lablib_p2p", "test_lablib_timing",
               # tests/labs/<lab>/

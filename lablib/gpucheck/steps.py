@@ -109,7 +109,7 @@ def lab_steps(gpu: bool) -> list[Step]:
         Step("00 hello", L00, "hello", {}, 2),
         Step("00 collectives", L00, "collectives",
              {"world_sizes": (2, 3, 4), "per_rank": 2, "bench_bytes": tuple(4096 * 4 ** k for k in range(7)),
-              "bench_ranks": 2, "repeats": 8, "wire_bytes": MiB}, 4),
+              "bench_ranks": 2, "repeats": 16, "wire_bytes": MiB, "detail_repeats": 10}, 4),
         Step("01 grad_accum", L01, "grad_accum",
              {"impl": "accum_impl.py", "accum_steps": 4, "last_micro_batch_size": 8, "steps": 12}, 2,
              files=("accum_impl.py",), exact=("allreduce_calls_per_step",), quick=True, verdict=_lab_checks(_grad_accum)),

@@ -16,6 +16,7 @@ counts its collectives.
 
 Modules: ``collective_cases`` (each collective on a rank's tensors, the errors torch raises, the check cases),
 ``job_setup`` (exercise 2's calls recorded, simulated GPUs and nodes; exercise 3's script on thread ranks),
-``run`` (the torchrun step ``collectives``), ``run_collectives_job`` (the torchrun step ``collectives_job``:
+``run`` (the torchrun step ``collectives``), ``bench`` (its timings: the bandwidth sweep and what DETAIL costs, in
+windows sized from the ranks' barrier skew, with a noise floor), ``run_collectives_job`` (the torchrun step ``collectives_job``:
 exercise 2's job, exercise 3's script counted).
 """

@@ -3,7 +3,7 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
 
     torchrun --standalone --nproc-per-node 4 -m lablib.labs.collectives.run --world_sizes 2,3,4 --out out.json
     torchrun --standalone --nproc-per-node 4 -m lablib.labs.collectives.run --world_sizes 4 \\
-        --bench_bytes 4096,65536,1048576 --bench_ranks 2 --out bench.json
+        --bench_bytes 4096,65536,1048576 --bench_ranks 2 --detail_repeats 10 --out bench.json
     torchrun --standalone --nproc-per-node 4 -m lablib.labs.collectives.run --check_inputs inputs.json --out check.json
 
 - pictures (for each of ``world_sizes``; ranks 0..w-1 form a gloo sub-group, the others wait, so several
@@ -23,13 +23,14 @@ bytes the course counts for it, and its bus bandwidth on gloo over message sizes
   sockets during each timed collective of S bytes, read from Linux's ``/proc/self/io`` (``wchar``: every
   write-like system call of the process, gloo's socket sends included), divided by S. What gloo moves, next
   to what the algorithm needs (``lablib.measure.counting``'s bus factor). None where there is no ``/proc``.
-- benchmark (``bench_bytes``, message sizes S in bytes, float32): each collective on the first
-  ``bench_ranks`` ranks, taking turns within a round (forward order in even rounds, reversed in odd ones:
-  A B .. B A), ``repeats`` rounds after a warm-up round; a round's time is the slowest rank's
-  (``lablib.measure.timing``). ``all_reduce_again`` is the all-reduce timed a second time in every round: the
-  same code against itself, the noise floor any comparison of two collectives is read against. Per collective
-  and size: the median and every round's time (``step_s``). Ranks outside the timed group wait in a barrier
-  (on gloo a waiting rank sleeps in a socket read, it does not spin).
+- benchmark (``bench_bytes``, message sizes S in bytes, float32; ``lablib.labs.collectives.bench.sweep``): each
+  collective's time per call on the first ``bench_ranks`` ranks, ``repeats`` rounds, windows of several calls as
+  many as the ranks' skew leaving a barrier requires, the all-reduce timed again as the noise floor (see
+  ``bench``). Ranks outside the timed group wait in a barrier (on gloo a waiting rank sleeps in a socket read,
+  it does not spin).
+- DETAIL's cost (``detail_repeats`` rounds; ``bench.detail_cost``): a small all-reduce on a plain gloo group, on a
+  second plain group (the floor) and on a group made under TORCH_DISTRIBUTED_DEBUG=DETAIL, on the same ranks,
+  after everything else.
 
 The tensors live on the CPU and travel through gloo on every machine (a gloo group is made next to an
 NCCL default group): the lab is about gloo's behaviour, and one backend keeps the numbers comparable.
@@ -48,15 +49,12 @@ import torch.distributed as dist
 from lablib.measure import counting, timing
 from lablib.jobs import script
 from lablib.jobs.distenv import gather_objects
+from lablib.labs.collectives.bench import TIMED, detail_cost, sweep, timed_call
 from lablib.labs.collectives.collective_cases import check_cases, expected_errors, one_rank
 
 # The course's names, in the order the lab teaches them.
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",
                "gather", "send_recv", "barrier")
-TIMED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
-# The benchmark's arms: the collectives, and the all-reduce once more (the noise floor: the same code, timed again).
-FLOOR = "all_reduce_again"
-ARMS = (*TIMED, FLOOR)
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,8 @@ class Config:
     per_rank: int = 1                       # a rank's tensor holds per_rank x world_size elements
     bench_bytes: tuple[int, ...] = ()       # message sizes S to time (empty: no benchmark)
     bench_ranks: int = 2                    # ranks in the timed group
-    repeats: int = 8                        # timed rounds per size (even: as many A B as B A orders)
+    repeats: int = 12                       # timed rounds per size (even: as many orders forwards as backwards)
+    detail_repeats: int = 0                 # timed rounds of what DETAIL costs, on bench_ranks ranks (0: none)
     barrier_delay_s: float = 0.05           # rank r reaches the barrier r x this late
     wire_bytes: int = 0                     # message size S for counting the bytes gloo really sends (0: no)
     check_inputs: str = ""                  # a JSON file of exercise 1's check cases (see above); "": none
@@ -79,12 +78,12 @@ class Config:
             raise ValueError(f"wire_bytes={self.wire_bytes}: a float32 message needs a multiple of 4 bytes (0: none)")
         if self.check_inputs and not Path(self.check_inputs).is_file():
             raise ValueError(f"check_inputs={self.check_inputs!r} is not a file: give the JSON file of check cases")
-        if self.bench_ranks < 2 or self.repeats < 1 or self.barrier_delay_s < 0:
+        if self.bench_ranks < 2 or self.repeats < 1 or self.detail_repeats < 0 or self.barrier_delay_s < 0:
             raise ValueError(f"bench_ranks={self.bench_ranks} must be >= 2, repeats={self.repeats} >= 1, "
-                             f"barrier_delay_s={self.barrier_delay_s} >= 0")
+                             f"detail_repeats={self.detail_repeats} >= 0, barrier_delay_s={self.barrier_delay_s} >= 0")
 
     def validate_world(self, world_size: int) -> None:
-        needed = max((*self.world_sizes, self.bench_ranks if self.bench_bytes else 1))
+        needed = max((*self.world_sizes, self.bench_ranks if self.bench_bytes or self.detail_repeats else 1))
         if needed > world_size:
             raise ValueError(f"world_sizes={self.world_sizes} / bench_ranks={self.bench_ranks} need {needed} "
                              f"ranks, but {world_size} were started; start nproc={needed}")
@@ -150,58 +149,6 @@ def pictures(env, config: Config, world_size: int, default_group) -> dict | None
             "bus_factor": {name: counting.bus_factor(name, world_size) for name in TIMED}}
 
 
-def timed_call(name: str, x: torch.Tensor, out: dict, n: int, group) -> None:
-    if name in ("all_reduce", FLOOR):
-        dist.all_reduce(x, group=group)
-    elif name == "all_gather":                        # S = the gathered output, n x the input
-        dist.all_gather_single(out["all_gather"], x[: x.numel() // n], group=group)
-    elif name == "reduce_scatter":                    # S = the full input
-        dist.reduce_scatter_single(out["reduce_scatter"], x, group=group)
-    elif name == "all_to_all":
-        dist.all_to_all_single(out["all_to_all"], x, group=group)
-    elif name == "broadcast":
-        dist.broadcast(x, src=0, group=group)
-    elif name == "reduce":
-        dist.reduce(x, dst=0, group=group)
-
-
-def benchmark(env, config: Config) -> dict | None:
-    """Each collective's time (slowest rank) per round and its median, for each message size S, on the first
-    bench_ranks ranks; the arms take turns, A B .. in even rounds and .. B A in odd ones."""
-    n = config.bench_ranks
-    group = dist.new_group(list(range(n)), backend="gloo")
-    result = {name: {"median_s": [], "step_s": [], "bus_bytes": [], "bytes": []} for name in ARMS}
-    if env.rank < n:
-        for k, n_bytes in enumerate(config.bench_bytes):
-            numel = n_bytes // 4 // n * n              # divisible by n: reduce_scatter and all_to_all split it
-            x = torch.randn(numel)
-            out = {"all_gather": torch.empty(numel), "reduce_scatter": torch.empty(numel // n),
-                   "all_to_all": torch.empty(numel)}
-            times = {name: [] for name in ARMS}
-            for rep in range(config.repeats + 1):      # round 0 is a warm-up
-                for name in ARMS if rep % 2 else ARMS[::-1]:   # the timed rounds alternate A B .. and .. B A
-                    buf = x.clone()
-                    timing.barrier(torch.device("cpu"), group=group)
-                    with counting.count_collectives() as log, timing.stopwatch(times[name], torch.device("cpu")):
-                        timed_call(name, buf, out, n, group)
-                    if rep == 0:
-                        times[name].clear()
-                        result[name]["bus_bytes"].append(log.calls[0].bus_bytes)
-                        result[name]["bytes"].append(log.calls[0].bytes)
-            for name in ARMS:
-                slowest = timing.step_times(times[name], torch.device("cpu"), group=group)
-                result[name]["median_s"].append(slowest["median_step_s"])
-                result[name]["step_s"].append(slowest["step_s"])
-            if env.rank == 0:
-                script.progress(env, k + 1, len(config.bench_bytes), MB=n_bytes / 1e6)
-    dist.barrier()                                     # the ranks outside the timed group wait here
-    if not env.is_main:
-        return None
-    return {"world_size": n, "n_bytes": [n_bytes // 4 // n * n * 4 for n_bytes in config.bench_bytes],
-            "repeats": config.repeats, "floor": FLOOR,
-            "bus_factor": {name: counting.bus_factor(name, n) for name in TIMED}, **result}
-
-
 def run(env, config: Config) -> dict:
     # CPU tensors through gloo on every machine (see the module docstring).
     default_group = None if env.backend == "gloo" else dist.new_group(backend="gloo")
@@ -224,11 +171,18 @@ def run(env, config: Config) -> dict:
         print(f"ran {len(COLLECTIVES)} collectives on {', '.join(map(str, result['pictures']))} ranks "
               f"({config.per_rank} float32 element(s) per rank of the group on each rank)")
     if config.bench_bytes:
-        bench = benchmark(env, config)
+        bench = sweep(env, config.bench_bytes, config.bench_ranks, config.repeats)
         if env.is_main:
             result["bench"] = bench
             print(f"timed {len(TIMED)} collectives (and the all-reduce again, the noise floor) on {config.bench_ranks} "
-                  f"ranks for {len(config.bench_bytes)} message sizes, {config.repeats} rounds each")
+                  f"ranks for {len(config.bench_bytes)} message sizes, {config.repeats} rounds each, "
+                  f"{'/'.join(map(str, bench['calls']))} calls per window")
+    if config.detail_repeats:                          # last: it leaves the debug level as it found it
+        cost = detail_cost(env, config.bench_ranks, config.detail_repeats)
+        if env.is_main:
+            result["detail_cost"] = cost
+            print(f"timed a plain all-reduce, the same again and one under DETAIL on {config.bench_ranks} ranks, "
+                  f"{config.detail_repeats} rounds of {cost['calls']} calls")
     return result
 
 
