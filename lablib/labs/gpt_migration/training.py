@@ -155,63 +155,59 @@ def _rank_batch(train_set, micro: int, env, pieces: int = 1):
     return x.split(micro), y.split(micro)
 
 
-def time_exchange(model, optimizer, train_set, config, env, ddp_log, rounds: int) -> dict:
-    """DDP's step against the same DDP model's step inside ``no_sync()`` (``no_exchange``: the identical model,
-    wrapper, batch and optimizer step, only the gradient all-reduce left out; each rank then steps on its own
-    gradient, so the ranks' weights drift apart: run after everything that reads them), and DDP a second time
-    (``ddp_again``, the noise floor), taking turns (``timing.take_turns``). Per round DDP / no_exchange and the floor
-    ddp_again / ddp. Each step trains this rank's B/N sequences of the first global batch."""
-    (x,), (y,) = _rank_batch(train_set, config.batch_size // env.world_size, env)
-    calls = {}
+def _ddp_arms_in_turns(model, optimizer, ddp_log, env, x, y, arms: dict, rounds: int) -> dict:
+    """One optimizer step per arm per round over the micro-batches x[k], y[k] (loss / K each), taking turns
+    (``timing.take_turns``). arms: name -> skip(k, K), whether micro-batch k of K runs inside ``model.no_sync()``.
+    Each arm's gradient all-reduces per step are counted (``ddp_log``)."""
+    K, calls = len(x), {}
 
-    def step(name: str, skip_sync: bool):
-        def one():
-            before = ddp_log.count()
-            with model.no_sync() if skip_sync else contextlib.nullcontext():
-                model(x, y)[1].backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            calls[name] = ddp_log.count() - before
-        return one
-
-    turns = timing.take_turns({"ddp": step("ddp", False), "no_exchange": step("no_exchange", True),
-                               "ddp_again": step("ddp_again", False)}, rounds, env.device)
-    for name in turns:
-        turns[name]["allreduce_calls_per_step"] = calls[name]
-    ratios = [a / b for a, b in zip(turns["ddp"]["step_s"], turns["no_exchange"]["step_s"])]
-    floors = [a / b for a, b in zip(turns["ddp_again"]["step_s"], turns["ddp"]["step_s"])]
-    return {**turns, "rounds": rounds, "ratio_per_round": ratios, "floor_per_round": floors,
-            "verdict": timing.noise_verdict(ratios, floors, 1)}
-
-
-def time_accumulation(model, optimizer, train_set, config, env, ddp_log, rounds: int) -> dict:
-    """DDP accumulation steps of config.accum_steps micro-batches, all-reducing after every micro-batch
-    (``sync_every``) and with no_sync() (``no_sync``), and ``no_sync`` again (``no_sync_again``: the same code timed
-    against itself, the noise floor of this run), taking turns (``timing.take_turns``): gradient all-reduces per
-    step (counted), step times, and per round sync_every / no_sync and the floor no_sync_again / no_sync."""
-    K, micro = config.accum_steps, config.batch_size // (env.world_size * config.accum_steps)
-    x, y = _rank_batch(train_set, micro, env, pieces=K)
-    calls = {}
-
-    def step(name: str, skip_sync: bool):
+    def step(name: str, skip):
         def one():
             before = ddp_log.count()
             for k in range(K):
-                with model.no_sync() if skip_sync and k < K - 1 else contextlib.nullcontext():
+                with model.no_sync() if skip(k, K) else contextlib.nullcontext():
                     (model(x[k], y[k])[1] / K).backward()
             optimizer.step()
             optimizer.zero_grad()
             calls[name] = ddp_log.count() - before
         return one
 
-    turns = timing.take_turns({"sync_every": step("sync_every", False), "no_sync": step("no_sync", True),
-                               "no_sync_again": step("no_sync_again", True)}, rounds, env.device)
+    turns = timing.take_turns({name: step(name, skip) for name, skip in arms.items()}, rounds, env.device)
     for name in turns:
         turns[name]["allreduce_calls_per_step"] = calls[name]
-    ratios = [a / b for a, b in zip(turns["sync_every"]["step_s"], turns["no_sync"]["step_s"])]
-    floors = [a / b for a, b in zip(turns["no_sync_again"]["step_s"], turns["no_sync"]["step_s"])]
-    return {**turns, "rounds": rounds, "ratio_per_round": ratios, "floor_per_round": floors,
+    return turns
+
+
+def _per_round(turns: dict, row: tuple[str, str], floor: tuple[str, str]) -> dict:
+    """Per round the row's ratio (numerator, denominator arm) and the floor's, read by ``timing.noise_verdict``."""
+    ratios, floors = ([a / b for a, b in zip(turns[n]["step_s"], turns[d]["step_s"])] for n, d in (row, floor))
+    return {"rounds": len(ratios), "ratio_per_round": ratios, "floor_per_round": floors,
             "verdict": timing.noise_verdict(ratios, floors, 1)}
+
+
+def time_exchange(model, optimizer, train_set, config, env, ddp_log, rounds: int) -> dict:
+    """DDP's step against the same DDP model's step inside ``no_sync()`` (``no_exchange``: the identical model,
+    wrapper, batch and optimizer step, only the gradient all-reduce left out; each rank then steps on its own
+    gradient, so the ranks' weights drift apart: run after everything that reads them), and DDP a second time
+    (``ddp_again``, the noise floor), taking turns. Per round DDP / no_exchange and the floor ddp_again / ddp.
+    Each step trains this rank's B/N sequences of the first global batch."""
+    x, y = _rank_batch(train_set, config.batch_size // env.world_size, env)
+    turns = _ddp_arms_in_turns(model, optimizer, ddp_log, env, x, y, {
+        "ddp": lambda k, K: False, "no_exchange": lambda k, K: True, "ddp_again": lambda k, K: False}, rounds)
+    return {**turns, **_per_round(turns, ("ddp", "no_exchange"), ("ddp_again", "ddp"))}
+
+
+def time_accumulation(model, optimizer, train_set, config, env, ddp_log, rounds: int) -> dict:
+    """DDP accumulation steps of config.accum_steps micro-batches, all-reducing after every micro-batch
+    (``sync_every``) and with no_sync() on all but the last (``no_sync``), and ``no_sync`` again (``no_sync_again``:
+    the same code timed against itself, the noise floor of this run), taking turns: gradient all-reduces per step
+    (counted), step times, and per round sync_every / no_sync and the floor no_sync_again / no_sync."""
+    K, micro = config.accum_steps, config.batch_size // (env.world_size * config.accum_steps)
+    x, y = _rank_batch(train_set, micro, env, pieces=K)
+    turns = _ddp_arms_in_turns(model, optimizer, ddp_log, env, x, y, {
+        "sync_every": lambda k, K: False, "no_sync": lambda k, K: k < K - 1, "no_sync_again": lambda k, K: k < K - 1},
+        rounds)
+    return {**turns, **_per_round(turns, ("sync_every", "no_sync"), ("no_sync_again", "no_sync"))}
 
 
 def save_sharded_checkpoint(model, config, env, val_set) -> dict:
