@@ -142,7 +142,8 @@ def test_gpt_migration_counts_and_shards_on_two_ranks(tmp_path):
     (tmp_path / "ddp_impl.py").write_text(textwrap.dedent(DDP_IMPL))
     (tmp_path / "fsdp_impl.py").write_text(textwrap.dedent(FSDP_IMPL))
     result = launch.run("gpt_migration",
-                        {"variants": "ddp,fsdp", "ddp_impl": str(tmp_path / "ddp_impl.py"), "fsdp_impl": str(tmp_path / "fsdp_impl.py"), "steps": 6, "eval_every": 3, "n_embd": 32, "ckpt_dir": str(tmp_path / "ckpt")},
+                        {"variants": "ddp,fsdp", "ddp_impl": str(tmp_path / "ddp_impl.py"), "fsdp_impl": str(tmp_path / "fsdp_impl.py"), "steps": 6, "eval_every": 3, "n_embd": 32, "ckpt_dir": str(tmp_path / "ckpt"),
+                         "exchange_rounds": 2},
                         nproc=2, timeout_s=240, quiet=True, show_progress=False)
     ddp, fsdp = result["metrics"]["ddp"], result["metrics"]["fsdp"]
     assert ddp["collectives_per_step"] == {"all_reduce": 1, "all_gather": 0, "reduce_scatter": 0}
@@ -157,6 +158,12 @@ def test_gpt_migration_counts_and_shards_on_two_ranks(tmp_path):
     assert fsdp["memory"]["at_rest"] < ddp["memory"]["at_rest"] / 2   # 12P/2 against 16P
     assert (tmp_path / "ckpt" / "ddp_rank0.pt").is_file() and (tmp_path / "ckpt" / "fsdp_dcp").is_dir()
     assert list(gpt_migration.SETUPS)[0] == "single"
+    # no exchange is the same DDP model inside no_sync(): no all-reduce; the rounds keep each arm's steps in order
+    exchange = ddp["exchange"]
+    assert {arm: exchange[arm]["allreduce_calls_per_step"] for arm in ("ddp", "no_exchange", "ddp_again")} == \
+        {"ddp": 1, "no_exchange": 0, "ddp_again": 1}
+    assert exchange["ratio_per_round"] == [a / b for a, b in zip(exchange["ddp"]["step_s"], exchange["no_exchange"]["step_s"])]
+    assert len(exchange["floor_per_round"]) == 2 and len(exchange["ddp"]["cpu_s"]) == 2
 
 
 def test_evaluation_steps_and_reference_loop_in_one_process():

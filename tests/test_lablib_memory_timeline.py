@@ -46,3 +46,28 @@ def test_timeline_of_one_step_agrees_with_the_other_counters():
     assert at_step["grads"] == states["params"]                  # one fp32 gradient per weight
     assert max(s["activations"] for s in samples) == saved.bytes   # all held at the end of the forward
     assert samples[-1]["activations"] <= x.numel() * x.element_size()   # only what the caller still holds
+
+
+def test_live_peak_holds_one_micro_batch_where_counting_by_address_sums_several():
+    """Gradient accumulation: each micro-batch's backward frees what its forward saved. The peak of what autograd
+    holds is one micro-batch's activations; SavedActivations.bytes counts every storage of the step once per address,
+    so a later micro-batch's storages at new addresses are added to the earlier ones'."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16))
+    x = torch.randint(0, 65, (16, 16))
+    with memory._LiveSavedActivations(parameters_of=model) as one:
+        loss = model(x[:4], x[:4])[1]
+        one_micro_batch = one.held_bytes()
+    loss.backward()
+    assert one.held_bytes() == 0                       # the backward freed every saved storage
+    keep = []                                          # storages kept alive between micro-batches: new addresses
+    with memory._LiveSavedActivations(parameters_of=model, track_peak=True) as live:
+        for k in range(4):
+            loss = model(x[4 * k:4 * k + 4], x[4 * k:4 * k + 4])[1]
+            (loss / 4).backward()
+            keep.append(torch.empty(one_micro_batch // 4 + 1))
+    assert live.peak_held == one_micro_batch
+    assert live.bytes > live.peak_held                 # the address count sums storages never held at once
+    with memory._LiveSavedActivations(parameters_of=model, track_peak=True) as whole:
+        model(x[:4], x[:4])[1].backward()
+    assert whole.peak_held == whole.bytes == one_micro_batch     # one forward: both counts agree

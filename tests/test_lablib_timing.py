@@ -65,3 +65,35 @@ def test_against_reference_reads_a_row_against_the_reference_timed_against_itsel
     assert alike["verdict"] == "within noise"
     with pytest.raises(ValueError, match="need both"):
         timing.against_reference([], reference)
+
+
+def test_turn_order_puts_every_arm_in_every_place():
+    assert [timing.turn_order("AB", r) for r in range(4)] == [list("AB"), list("BA"), list("BA"), list("AB")]
+    orders = [tuple(timing.turn_order("ABC", r)) for r in range(6)]
+    assert len(set(orders)) == 6                       # every order of three arms once: none parked at the ends
+    for place in range(3):
+        assert sorted(o[place] for o in orders) == list("AABBCC")
+
+
+def test_take_turns_times_wall_and_cpu_in_round_order():
+    log = []
+
+    def sleeper():                                      # wall time without CPU time
+        log.append("sleep")
+        time.sleep(0.02)
+
+    def spinner():                                      # CPU time, as long as the process gets a core
+        log.append("spin")
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.01:
+            pass
+
+    out = timing.take_turns({"sleep": sleeper, "spin": spinner}, rounds=4, device=CPU)
+    # warm-up, then the rounds A B, B A, B A, A B (turn_order)
+    assert log == ["sleep", "spin"] + ["sleep", "spin", "spin", "sleep", "spin", "sleep", "sleep", "spin"]
+    for name in ("sleep", "spin"):
+        assert len(out[name]["step_s"]) == len(out[name]["cpu_s"]) == 4
+    assert min(out["sleep"]["step_s"]) >= 0.02 and out["sleep"]["median_cpu_s"] < 0.01
+    assert out["spin"]["median_cpu_s"] >= 0.01
+    with pytest.raises(ValueError, match="2 arms"):
+        timing.take_turns({"sleep": sleeper}, rounds=4, device=CPU)

@@ -11,8 +11,9 @@ identically. Between two calls lies exactly one training step (forward, backward
 - **memory per rank** (one step, ``profile_step``), counted the same way on every device, never
   estimated: the model states from their storages (parameters and AdamW state between steps, the gradients
   when ``optimizer.step`` is called, DDP's persistent gradient buckets from its communication hook; FSDP2's
-  DTensors by their local shards) and the activations autograd saves for the backward (every storage that
-  ``memory.SavedActivations`` sees during the step, parameters excluded). Two sums are
+  DTensors by their local shards) and the activations autograd saves for the backward: the most bytes of saved
+  storages it holds at once during the step (``memory._LiveSavedActivations``' ``peak_held``, parameters excluded:
+  with gradient accumulation one micro-batch's, as each backward frees what its forward saved). Two sums are
   reported, named for what they are: ``end_of_forward`` = at rest + saved activations (``zero_grad`` sets
   the gradients to None, so none exist yet), and ``upper_bound`` = at rest + gradients + activations (the
   backward frees activations as it creates gradients, so the true peak lies between the larger of the two
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from lablib.jobs import script
 from lablib.measure import timing
 from lablib.measure.counting import CollectiveLog, count_collectives
-from lablib.measure.memory import SavedActivations, model_state_bytes, unique_storage_bytes
+from lablib.measure.memory import _LiveSavedActivations, model_state_bytes, unique_storage_bytes
 
 # The step after which memory is measured, and the one after which collectives are counted (both after
 # DDP's first-step bucket rebuild and FSDP2's lazy initialisation).
@@ -80,7 +81,8 @@ class StepMeter:
             if self.env.device.type == "cuda":
                 torch.cuda.synchronize(self.env.device)
                 torch.cuda.reset_peak_memory_stats(self.env.device)
-            activations = SavedActivations(parameters_of=self.model)
+            activations = _LiveSavedActivations(parameters_of=getattr(self.model, "module", self.model),
+                                                track_peak=True)
             activations.__enter__()
             self._window = ("memory", (activations, handle, grads_seen))
         elif step == self.count_step:
@@ -96,7 +98,7 @@ class StepMeter:
             handle.remove()
             m = self.memory
             m["grads"] = max(grads_seen, default=0)
-            m["activations"] = activations.bytes
+            m["activations"] = activations.peak_held
             m["at_rest"] = m["params"] + m["optimizer"] + m["ddp_buckets"]
             m["during_step"] = m["grads"] + m["activations"]
             m["end_of_forward"] = m["at_rest"] + m["activations"]

@@ -195,19 +195,35 @@ import weakref  # noqa: E402  (this section's own import, kept with it)
 
 class _LiveSavedActivations(SavedActivations):
     """``SavedActivations`` that also knows which of its storages autograd still holds: a weak reference to
-    every saved tensor it counts, so the counter itself keeps nothing alive."""
+    every saved tensor it counts, so the counter itself keeps nothing alive.
 
-    def __init__(self, parameters_of: torch.nn.Module):
+    With ``track_peak``, ``peak_held`` is the most bytes of saved storages held at once: counted after every save
+    (saved activations only grow while a forward saves them, and only shrink while a backward frees them, so their
+    peak follows a save). Unlike ``bytes`` (every storage seen during the block, once per address), a storage freed
+    before another is saved at its address is not counted twice, nor one freed long before the other is saved
+    (the micro-batches of gradient accumulation: one micro-batch's activations are held at a time).
+    """
+
+    def __init__(self, parameters_of: torch.nn.Module, track_peak: bool = False):
         super().__init__(parameters_of=parameters_of)
         self._refs: dict[tuple, list] = {}
+        self._track_peak = track_peak
+        self.peak_held = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         out = super()._pack(t)
         local = local_tensor(t)
         key = _storage_key(local)
-        if key in self._seen:                       # counted as an activation (not a parameter or buffer)
+        # an activation (not a parameter or buffer) now: an address once an activation's may hold a parameter later
+        if key in self._seen and key not in self._excluded and key not in self._model_state_keys():
             self._refs.setdefault(key, []).append(weakref.ref(local))
+            if self._track_peak:
+                self.peak_held = max(self.peak_held, self.held_bytes())
         return out
+
+    def held_bytes(self) -> int:
+        """Bytes of the saved storages held right now, each storage once (a moment, not a peak)."""
+        return StorageCounter().add(self.alive())
 
     def alive(self) -> list[torch.Tensor]:
         """The saved tensors still held (by autograd's graph, or by anything else)."""

@@ -131,6 +131,45 @@ def against_reference(row_s: Sequence[float], reference_s: Sequence[float], comp
             "floor_range": [min(floor), max(floor)], **noise_verdict(ratios, floor, comparisons)}
 
 
+def turn_order(names: Sequence[str], r: int) -> list[str]:
+    """The arms' order in round r: rotated by r, reversed every other len(names) rounds. Over 2 len(names) rounds
+    each arm takes every place equally often (two arms: A B, B A, B A, A B; three: every one of the 6 orders), so
+    a noise-floor arm is not parked at the ends of a round, and a burst of load falls on no arm more than another."""
+    names = list(names)
+    k = r % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if (r // len(names)) % 2 else order
+
+
+def take_turns(arms: dict, rounds: int, device: torch.device, group=None) -> dict:
+    """Time arms (name -> a callable doing one step) taking turns: one untimed warm-up call each, then ``rounds``
+    rounds in ``turn_order``, each call after a ``barrier``. Every rank of group must call it with the same arms.
+
+    Returns, per arm, ``step_times`` of its calls in round order (``step_s[r]`` is round r's slowest rank) and the
+    CPU time of the process per call (``time.process_time``; the busiest rank's per round, ``cpu_s``, with its
+    median ``median_cpu_s``): CPU time leaves out what a rank waited for (a core another process held, the other
+    rank, a transfer), wall time includes it."""
+    if rounds < 1 or len(arms) < 2:
+        raise ValueError(f"rounds={rounds}, {len(arms)} arms: need at least 1 round and 2 arms to take turns")
+    wall = {name: [] for name in arms}
+    cpu = {name: [] for name in arms}
+    for name, step in arms.items():              # warm-up: caches, DDP's buckets, the allocator
+        barrier(device, group)
+        step()
+    for r in range(rounds):
+        for name in turn_order(list(arms), r):
+            barrier(device, group)
+            c0 = time.process_time()
+            with stopwatch(wall[name], device):
+                arms[name]()
+            cpu[name].append(time.process_time() - c0)
+    out = {}
+    for name in arms:
+        busiest = slowest_rank(cpu[name], device, group)
+        out[name] = {**step_times(wall[name], device, group), "cpu_s": busiest, "median_cpu_s": median(busiest)}
+    return out
+
+
 def allreduce_times(env, sizes_bytes: Sequence[int], repeats: int) -> list[list[float]]:
     """Seconds of standalone all-reduces of each size (the slowest rank per repeat): ``[size][repeat]``.
 

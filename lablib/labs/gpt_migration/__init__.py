@@ -2,7 +2,7 @@
 
 How one exercise travels: the notebook writes ``ddp_impl.py`` (``wrap_model``, ``make_loader``, ``start_epoch``,
 ``mean_across_ranks``); ``probes.loader_probe_without_processes`` and ``probes.mean_probe_without_processes`` look at
-it on thread ranks in a second; ``launch.run("gpt_migration", {"variants": "no_comm,ddp,ddp_accum", "ddp_impl":
+it on thread ranks in a second; ``launch.run("gpt_migration", {"variants": "ddp,ddp_accum", "ddp_impl":
 "ddp_impl.py", ...})`` starts ``run`` under torchrun, where every rank loads the file, feeds its parts to
 ``training.train_loop`` (the one loop every variant shares) and records what ``probes.probe_loader``,
 ``probes.probe_mean`` and ``probes.fsdp_plan`` see, with the collectives counted and the shards recorded; rank 0 writes

@@ -2,8 +2,8 @@
 FSDP2 + activation checkpointing, HSDP and Accelerate, each measured the same way (lablib.measure.benchmark).
 
     torchrun --standalone --nproc-per-node 1 -m lablib.labs.gpt_migration.run --variants single --out single.json
-    torchrun --standalone --nproc-per-node 2 -m lablib.labs.gpt_migration.run --variants no_comm,ddp,ddp_accum \\
-        --ddp_impl ddp_impl.py --out ddp.json
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.gpt_migration.run --variants ddp,ddp_accum \\
+        --ddp_impl ddp_impl.py --exchange_rounds 12 --out ddp.json
     torchrun --standalone --nproc-per-node 4 -m lablib.labs.gpt_migration.run \\
         --variants fsdp,hsdp --fsdp_impl fsdp_impl.py --steps 5 --trace_step true --out hsdp.json
 
@@ -48,8 +48,10 @@ class Config:
     fsdp_impl: str = "fsdp_impl.py"
     accelerate_impl: str = "accelerate_impl.py"
     steps: int = 60                 # optimizer steps per variant
-    measure_steps: int = 0          # steps of the variants only measured, not compared by loss (no_comm,
-                                    # fsdp_ac); 0: steps
+    measure_steps: int = 0          # steps of the variant only measured, not compared by loss (fsdp_ac); 0: steps
+    exchange_rounds: int = 0        # after ddp: DDP against DDP inside no_sync() and DDP again, rounds taken in
+                                    # turns (training.time_exchange); 0: not timed
+    accum_rounds: int = 12          # after ddp_accum: sync_every, no_sync, no_sync again in turns (time_accumulation)
     trace_step: bool = False        # one more step watched: memory at every module boundary, collectives' groups
     batch_size: int = 16            # sequences per optimizer step, all ranks together (the global batch)
     accum_steps: int = 4            # micro-batches per step in ddp_accum
@@ -69,6 +71,9 @@ class Config:
         if unknown or not self.variants:
             raise ValueError(f"variants={self.variants}: unknown {unknown}; choose from {tuple(SETUPS)}")
         cfg.require_at_least_one(self, "steps", "batch_size", "accum_steps", "val_batch_size", "val_blocks", "eval_every")
+        if self.exchange_rounds < 0 or self.accum_rounds < 1:
+            raise ValueError(f"exchange_rounds={self.exchange_rounds} must be 0 (not timed) or positive, "
+                             f"accum_rounds={self.accum_rounds} at least 1")
         if self.measure_steps < 0:
             raise ValueError(f"measure_steps={self.measure_steps} must be 0 (the same as steps) or positive")
         impls = {"ddp": self.ddp_impl, "ddp_accum": self.ddp_impl, "fsdp": self.fsdp_impl,
@@ -117,8 +122,8 @@ def count_gather_for_metrics():
 # --- set-up per variant: (model, env, config) -> (model, training.Parts or None for Accelerate, extras) ---
 
 def setup_reference(model, env, config):
-    """single (world size 1: the baseline) and no_comm (N ranks, each its share of the global batch, no
-    gradient exchange: the step time the hardware allows, not a training method; the ranks drift apart)."""
+    """single: world size 1, the baseline. (Two ranks without gradient exchange are timed as DDP inside no_sync(),
+    in turns with DDP: training.time_exchange.)"""
     return model, training.reference_parts(), {}
 
 
@@ -169,7 +174,6 @@ def setup_accelerate(model, env, config):
 
 SETUPS = {
     "single": setup_reference,
-    "no_comm": setup_reference,
     "ddp": setup_ddp,
     "ddp_accum": lambda model, env, config: setup_ddp(model, env, config, accumulate=config.accum_steps),
     "fsdp": setup_fsdp,
@@ -180,7 +184,7 @@ SETUPS = {
 
 
 # Variants whose loss is not compared with the baseline's: they may train only measure_steps steps.
-MEASURED_ONLY = ("no_comm", "fsdp_ac")
+MEASURED_ONLY = ("fsdp_ac",)
 SHARDED = ("fsdp", "fsdp_ac", "hsdp")    # each rank holds other shards: no weight spread across ranks
 # Variants a graded run may carry along for an ungraded section: a set-up that fails is reported, not raised.
 CARRIED_ALONG = ("hsdp",)
@@ -234,7 +238,8 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
     if variant == "accelerate":   # lablib's own evaluation of the trained weights, every rank the whole set
         result["reference_final_val_loss"] = training.evaluate(model, val_set, config.val_batch_size, env)
     if variant == "ddp_accum":
-        result["accum"] = training.time_accumulation(trained, optimizer, train_set, config, env, ddp_log)
+        result["accum"] = training.time_accumulation(trained, optimizer, train_set, config, env, ddp_log,
+                                                     config.accum_rounds)
     if config.ckpt_dir and variant == "ddp" and env.is_main:
         path = Path(config.ckpt_dir) / "ddp_rank0.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,6 +252,9 @@ def run_variant(variant, env, config, vocab_size, train_set, val_set) -> dict:
                                       {"ddp_buckets": result["memory"].get("ddp_buckets", 0)},
                                       {tuple(ranks): name for name, ranks in result.get("mesh_groups", {}).items()})
         result.update(traced if env.is_main else {})   # rank 0's timeline; the groups are the same on every rank
+    if config.exchange_rounds and variant == "ddp":     # last: its no_sync() steps let the ranks' weights drift apart
+        result["exchange"] = training.time_exchange(trained, optimizer, train_set, config, env, ddp_log,
+                                                    config.exchange_rounds)
     return result
 
 

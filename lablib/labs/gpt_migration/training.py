@@ -146,45 +146,68 @@ def evaluate(model, val_set, batch_size: int, env, mean_across_ranks: Callable |
     return mean.item() if mean_across_ranks is None else float(mean_across_ranks(mean, env))
 
 
-def time_accumulation(model, optimizer, train_set, config, env, ddp_log, rounds: int = 8) -> dict:
-    """A few more DDP accumulation steps of config.accum_steps micro-batches, all-reducing after every
-    micro-batch (``sync_every``) and with no_sync() (``no_sync``): gradient all-reduces per step (counted) and
-    the step time (``lablib.measure.timing``). The two take turns, after one warm-up step each, with a third arm,
-    ``no_sync`` again (``no_sync_again``): the same code timed against itself, the noise floor of this run.
-    The order alternates by round (A B C, C B A, ...), so a burst of load falls on every arm; per round the ratio
-    sync_every / no_sync and the floor's no_sync_again / no_sync, read by ``timing.noise_verdict``."""
-    K, micro = config.accum_steps, config.batch_size // (env.world_size * config.accum_steps)
-    items = [train_set[i] for i in range(K * micro)]
-    x = torch.stack([it[0] for it in items]).to(env.device).split(micro)
-    y = torch.stack([it[1] for it in items]).to(env.device).split(micro)
-    arms = {"sync_every": False, "no_sync": True, "no_sync_again": True}   # name -> skip the sync
+def _rank_batch(train_set, micro: int, env, pieces: int = 1):
+    """This rank's share of the first global batch: (x, y), each split into pieces micro-batches of micro sequences."""
+    first = env.rank * micro * pieces
+    items = [train_set[i] for i in range(first, first + micro * pieces)]
+    x = torch.stack([it[0] for it in items]).to(env.device)          # (pieces * micro, block_size)
+    y = torch.stack([it[1] for it in items]).to(env.device)
+    return x.split(micro), y.split(micro)
 
-    def one_step(skip_sync: bool, times: list) -> int:
-        before = ddp_log.count()
-        timing.barrier(env.device)
-        with timing.stopwatch(times, env.device):
+
+def _ddp_arms_in_turns(model, optimizer, ddp_log, env, x, y, arms: dict, rounds: int) -> dict:
+    """One optimizer step per arm per round over the micro-batches x[k], y[k] (loss / K each), taking turns
+    (``timing.take_turns``). arms: name -> skip(k, K), whether micro-batch k of K runs inside ``model.no_sync()``.
+    Each arm's gradient all-reduces per step are counted (``ddp_log``)."""
+    K, calls = len(x), {}
+
+    def step(name: str, skip):
+        def one():
+            before = ddp_log.count()
             for k in range(K):
-                with model.no_sync() if skip_sync and k < K - 1 else contextlib.nullcontext():
+                with model.no_sync() if skip(k, K) else contextlib.nullcontext():
                     (model(x[k], y[k])[1] / K).backward()
             optimizer.step()
             optimizer.zero_grad()
-        return ddp_log.count() - before
+            calls[name] = ddp_log.count() - before
+        return one
 
-    times = {name: [] for name in arms}
-    calls = {name: one_step(skip, []) for name, skip in arms.items()}     # warm-up: one untimed step each
-    order = list(arms)
-    for r in range(rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            calls[name] = one_step(arms[name], times[name])
-    out = {name: {"allreduce_calls_per_step": calls[name], **timing.step_times(times[name], env.device)}
-           for name in arms}
-    # per round, each arm's slowest-rank step: step_times keeps the rounds in order
-    ratios = [s / n for s, n in zip(out["sync_every"]["step_s"], out["no_sync"]["step_s"])]
-    floor = [a / n for a, n in zip(out["no_sync_again"]["step_s"], out["no_sync"]["step_s"])]
-    out["rounds"] = rounds
-    out["ratio_per_round"], out["floor_per_round"] = ratios, floor
-    out["verdict"] = timing.noise_verdict(ratios, floor, comparisons=1)
-    return out
+    turns = timing.take_turns({name: step(name, skip) for name, skip in arms.items()}, rounds, env.device)
+    for name in turns:
+        turns[name]["allreduce_calls_per_step"] = calls[name]
+    return turns
+
+
+def _per_round(turns: dict, row: tuple[str, str], floor: tuple[str, str]) -> dict:
+    """Per round the row's ratio (numerator, denominator arm) and the floor's, read by ``timing.noise_verdict``."""
+    ratios, floors = ([a / b for a, b in zip(turns[n]["step_s"], turns[d]["step_s"])] for n, d in (row, floor))
+    return {"rounds": len(ratios), "ratio_per_round": ratios, "floor_per_round": floors,
+            "verdict": timing.noise_verdict(ratios, floors, 1)}
+
+
+def time_exchange(model, optimizer, train_set, config, env, ddp_log, rounds: int) -> dict:
+    """DDP's step against the same DDP model's step inside ``no_sync()`` (``no_exchange``: the identical model,
+    wrapper, batch and optimizer step, only the gradient all-reduce left out; each rank then steps on its own
+    gradient, so the ranks' weights drift apart: run after everything that reads them), and DDP a second time
+    (``ddp_again``, the noise floor), taking turns. Per round DDP / no_exchange and the floor ddp_again / ddp.
+    Each step trains this rank's B/N sequences of the first global batch."""
+    x, y = _rank_batch(train_set, config.batch_size // env.world_size, env)
+    turns = _ddp_arms_in_turns(model, optimizer, ddp_log, env, x, y, {
+        "ddp": lambda k, K: False, "no_exchange": lambda k, K: True, "ddp_again": lambda k, K: False}, rounds)
+    return {**turns, **_per_round(turns, ("ddp", "no_exchange"), ("ddp_again", "ddp"))}
+
+
+def time_accumulation(model, optimizer, train_set, config, env, ddp_log, rounds: int) -> dict:
+    """DDP accumulation steps of config.accum_steps micro-batches, all-reducing after every micro-batch
+    (``sync_every``) and with no_sync() on all but the last (``no_sync``), and ``no_sync`` again (``no_sync_again``:
+    the same code timed against itself, the noise floor of this run), taking turns: gradient all-reduces per step
+    (counted), step times, and per round sync_every / no_sync and the floor no_sync_again / no_sync."""
+    K, micro = config.accum_steps, config.batch_size // (env.world_size * config.accum_steps)
+    x, y = _rank_batch(train_set, micro, env, pieces=K)
+    turns = _ddp_arms_in_turns(model, optimizer, ddp_log, env, x, y, {
+        "sync_every": lambda k, K: False, "no_sync": lambda k, K: k < K - 1, "no_sync_again": lambda k, K: k < K - 1},
+        rounds)
+    return {**turns, **_per_round(turns, ("sync_every", "no_sync"), ("no_sync_again", "no_sync"))}
 
 
 def save_sharded_checkpoint(model, config, env, val_set) -> dict:
