@@ -178,7 +178,7 @@ def lab_steps(gpu: bool) -> list[Step]:
               "orders": ("F0 F1 F2 F3 B0 B1 B2 B3/F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2"),
               "p2p_timeout_s": 10.0}, 2, files=("engine_impl.py",),
              verdict=_lab_checks(_each(lambda m: m["runs"].values(), _probe("pipeline", "check_engine")))),
-        Step("09 pipeline_torch", L09, "pipeline_torch", {"n_microbatches": 8, "rounds": 6}, 2, threads_per_rank=1),
+        Step("09 pipeline_torch", L09, "pipeline_torch", {"n_microbatches": 8, "rounds": 10}, 2, threads_per_rank=1),
         Step("10 kill and resume", L10, "fault_tolerance",
              {"impl": "ft_impl.py", "ckpt_dir": FRESH_DIR, "faults": ("kill:1@5",), "reference": True}, 2,
              files=("ft_impl.py",), max_restarts=1, env={"LABLIB_PG_TIMEOUT_S": "60"}, close=("loss",),

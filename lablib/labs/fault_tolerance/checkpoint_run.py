@@ -208,11 +208,22 @@ def train(impl, recipe: Recipe, env, folder, *, ckpt_every: int, faults: tuple[s
     if attempt == 0 and not resume_from and source is not None and env.is_main:
         print(f"[fault_tolerance] {folder} already holds a complete checkpoint ({source.name}): resuming from it. "
               f"A reused folder continues the old run; give a new run a fresh folder", flush=True)
-    t_start = time.time()
-    state = impl.start(parts.model, parts.shard, parts.make_optimizer, parts.make_scheduler, parts.sampler,
+    # start() shards the model, builds the optimizer and only then loads (the optimizer's state needs an optimizer to
+    # load into): when make_optimizer returns splits start() into "shard + optimizer" and "load" (DCP's load and
+    # whatever else start() does after it) for the restart's timeline.
+    t_start, built = time.time(), {}
+
+    def make_optimizer(params):
+        optimizer = parts.make_optimizer(params)
+        built.setdefault("t_optimizer", time.time())
+        return optimizer
+
+    state = impl.start(parts.model, parts.shard, make_optimizer, parts.make_scheduler, parts.sampler,
                        None if source is None else str(source))
+    t_loaded = time.time()
     log.write("attempt", attempt=attempt, world_size=env.world_size, resumed_from=None if source is None else str(source),
-              resumed_step=state.step, t_process=_process_start(), t_group=t_group, t_start=t_start, t_loaded=time.time())
+              resumed_step=state.step, t_process=_process_start(), t_group=t_group, t_start=t_start,
+              t_optimizer=built.get("t_optimizer", t_start), t_loaded=t_loaded)
     try:
         while state.step < recipe.steps:
             record = train_step(state.model, state.optimizer, state.scheduler, state.sampler, token_ids, recipe,

@@ -198,8 +198,10 @@ def max_abs_diff(metrics) -> float:
 def restart_timeline(metrics) -> list[dict]:
     """Per fault (kill or hang), seconds from the fault until the new attempt is back where the fault struck:
     detected (a peer's collective failed, or torchrun saw the exit), new processes (torchrun stops the group and
-    starts a new one), start-up (Python, torch, rendezvous, process group), build (data, model), load (the
-    checkpoint), replay (the steps after the last checkpoint, again). ``lost_s`` is their sum."""
+    starts a new one), start-up (Python, torch, rendezvous, process group), build (data, model), shard + optimizer
+    (the students' start() up to its optimizer: FSDP2's fully_shard, AdamW), load (the rest of start(): DCP's load and
+    whatever start() does after it), replay (the steps after the last checkpoint, again). ``lost_s`` is their sum.
+    A log without ``t_optimizer`` (written before it was recorded) counts the whole of start() as load."""
     out = []
     attempts = {a["attempt"]: a for a in metrics["attempts"]}
     for f in metrics["faults"]:
@@ -211,7 +213,8 @@ def restart_timeline(metrics) -> list[dict]:
         t_back = back[0] if back else new["t_loaded"]
         parts = {"detect": t_detected - f["t"], "new processes": new["t_process"] - t_detected,
                  "start-up": new["t_group"] - new["t_process"], "build": new["t_start"] - new["t_group"],
-                 "load": new["t_loaded"] - new["t_start"], "replay": t_back - new["t_loaded"]}
+                 "shard + optimizer": new.get("t_optimizer", new["t_start"]) - new["t_start"],
+                 "load": new["t_loaded"] - new.get("t_optimizer", new["t_start"]), "replay": t_back - new["t_loaded"]}
         parts = {k: max(0.0, v) for k, v in parts.items()}
         out.append({"kind": f["kind"], "step": f["step"], "rank": f["rank"], "attempt": f["attempt"],
                     "replayed_steps": f["step"] - new["resumed_step"], "parts": parts,

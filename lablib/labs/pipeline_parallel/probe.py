@@ -219,7 +219,7 @@ def summarize(case: str, records: list[dict], config: GPTConfig, inputs, targets
         out["step_s"] = max(r["t_end"] for r in records) - zero
         out["peak_activation_bytes"] = [r["peak_activation_bytes"] for r in records]
     if out["ok"]:
-        ref_grads, ref_losses = reference(config, inputs, targets, seed, dtype)
+        ref_grads, ref_losses = _reference_once(config, inputs, targets, seed, dtype)
         grads = pipeline.combine_stage_gradients([r["grads"] for r in records])
         missing = sorted(set(ref_grads) - set(grads))
         out["max_grad_diff"] = max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items() if n in grads)
@@ -228,6 +228,22 @@ def summarize(case: str, records: list[dict], config: GPTConfig, inputs, targets
         out["losses"] = records[-1]["losses"]
         out["reference_losses"] = ref_losses
     return out
+
+
+_REFERENCES: dict = {}
+
+
+def _reference_once(config: GPTConfig, inputs, targets, seed: int, dtype: torch.dtype) -> tuple[dict, list[float]]:
+    """``reference``, computed once per batch: the measurement's rounds check the same case again every round, and
+    recomputing the whole GPT's step on rank 0 each time cost more CPU than the pipeline step it checks. The key holds
+    the batch's token ids themselves, so another batch never reads a stored result."""
+    key = (repr(config), seed, dtype, tuple(tuple(x.flatten().tolist()) for x in inputs),
+           tuple(tuple(y.flatten().tolist()) for y in targets))
+    if key not in _REFERENCES:
+        if len(_REFERENCES) >= 16:          # a run checks at most a few cases: keep memory bounded all the same
+            _REFERENCES.clear()
+        _REFERENCES[key] = reference(config, inputs, targets, seed, dtype)
+    return _REFERENCES[key]
 
 
 def deadlock_message(records: list[dict]) -> str:

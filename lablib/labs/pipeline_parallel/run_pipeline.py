@@ -9,9 +9,13 @@ the run makes no schedule of its own. The job has as many processes as the large
 case on p stages runs on ranks 0..p-1 (the others wait for it, lab 06's turns). What each rank does and
 records is ``probe.probe_engine``: one step, on a process group of its own with a short
 timeout, so a deadlock ends in a message instead of a hang. The graded run stops at the first case that
-fails. With ``--repeat n`` (the measurement) the cases run in n rounds, each case once per round, the order reversed
-every other round (A B B A ...); the first round warms up and is left out. Per case the step of median idle time is
-kept, with every timed step's idle share, stopwatch time (per step the slowest rank, as ``run_pipeline_torch`` times
+fails. With ``--repeat n`` (the measurement) the cases run in n rounds, each case once per round, the order rotated
+by one case each round (over as many rounds as there are cases, each case runs once in each place of a round); the
+first round warms up and is left out. With ``--floor CASE`` that case runs a second time in every round, half a
+round away from its first run: the same code timed against itself, the noise floor of the comparisons between cases
+(its steps are kept as ``floor_step_s`` and ``floor_idle_fractions``, round by round beside its own). Per case the
+step of median idle share is kept (with an odd number of timed rounds the median itself; with an even number the
+upper of the two middle ones, ``drawn_round`` says which), with every timed step's idle share, stopwatch time (per step the slowest rank, as ``run_pipeline_torch`` times
 torch's schedules), per-stage costs (``costs.stage_costs``) and the idle share the timing model gives when fed that
 step's own costs (``costs.simulate``); then one more step under
 ``lablib.measure.memory.MemoryTimeline`` gives the saved activations each rank really held at its peak.
@@ -40,6 +44,7 @@ class Config:
     orders: tuple[str, ...] = ("F0 F1 B0 B1/F0 F1 B0 B1", "F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2")   # one per case
     p2p_timeout_s: float = 15.0             # a send/recv waiting longer than this is a deadlock
     repeat: int = 1                          # rounds, each case one step per round (more: round 0 warms up)
+    floor: str = ""                          # a case timed twice per round (the noise floor), or "" for none
     micro_batch: int = 2                     # sequences per micro-batch
     n_layer: int = SMALL.n_layer
     n_embd: int = SMALL.n_embd
@@ -62,6 +67,9 @@ class Config:
         if self.p2p_timeout_s <= 0 or self.repeat < 1 or self.micro_batch < 1:
             raise ValueError(f"p2p_timeout_s={self.p2p_timeout_s}, repeat={self.repeat} and micro_batch="
                              f"{self.micro_batch} must be positive")
+        if self.floor and (self.floor not in self.cases or self.repeat < 2):
+            raise ValueError(f"floor={self.floor!r}: give one of the cases {self.cases}, timed twice per round, and "
+                             f"repeat >= 2 (round 0 warms up; repeat={self.repeat})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
         require_file(self.impl)
@@ -82,18 +90,24 @@ def run(env, config: Config) -> dict:
                             p2p_timeout_s=config.p2p_timeout_s, seed=config.seed, micro_batch=config.micro_batch,
                             config=model, tag=f"{i}.{tag}", memory=memory, dtype=DTYPES[config.dtype])
 
-    # Rounds, not one case after another: round k runs every case once, in the listed order on even rounds and
-    # reversed on odd ones (A B B A ...), so a burst of load from another program falls on all cases of a round
-    # instead of on one case's steps. Round 0 warms up and is left out. probe_engine starts the ranks' step
-    # together (a barrier). The graded run (repeat 1) is one round in the listed order, stopping at the first
-    # case that fails.
-    steps: dict[int, list[dict]] = {i: [] for i in range(len(config.cases))}
+    # Rounds, not one case after another: round k runs every case once, the listed order rotated by k, so a burst
+    # of load from another program falls on all cases of a round instead of on one case's steps, and no case always
+    # runs first or last. The floor case's second copy ("again") sits half a round from its first in the list, so
+    # the two are never parked together at one end of a round. Round 0 warms up and is left out. probe_engine
+    # starts the ranks' step together (a barrier). The graded run (repeat 1) is one round in the listed order,
+    # stopping at the first case that fails.
+    arms: list = list(range(len(config.cases)))
+    if config.floor:
+        first = config.cases.index(config.floor)
+        arms.insert((first + (len(arms) + 1) // 2) % len(arms) + 1, "again")
+    steps: dict = {a: [] for a in arms}
     failed = None
     for step in range(config.repeat):
-        order = range(len(config.cases)) if step % 2 == 0 else reversed(range(len(config.cases)))
-        for i in order:
-            steps[i].append(probe(i, str(step)))
-            if not steps[i][-1]["ok"]:   # every rank read every stage's record: all stop here together
+        k = step % len(arms)
+        for a in arms[k:] + arms[:k]:
+            i = config.cases.index(config.floor) if a == "again" else a
+            steps[a].append(probe(i, f"{step}{'a' if a == 'again' else ''}"))
+            if not steps[a][-1]["ok"]:   # every rank read every stage's record: all stop here together
                 failed = i
                 break
         script.progress(env, step + 1, config.repeat)
@@ -106,15 +120,19 @@ def run(env, config: Config) -> dict:
         result = steps[i][-1]
         if failed is None and config.repeat > 1:   # every rank: one more step, its memory sampled (not timed)
             held = probe(i, "mem", memory=True)
-            if env.is_main:                         # the step of median idle time, the warm-up round left out
+            if env.is_main:                         # the step of median idle share, the warm-up round left out
                 timed = steps[i][1:]
-                by_idle = sorted(timed, key=lambda s: idle_fraction(s["events"]))
-                result = dict(by_idle[len(by_idle) // 2], idle_fractions=[idle_fraction(s["events"]) for s in timed],
+                by_idle = sorted(range(len(timed)), key=lambda k: idle_fraction(timed[k]["events"]))
+                drawn = by_idle[len(by_idle) // 2]  # the median of an odd count; the upper middle of an even one
+                result = dict(timed[drawn], drawn_round=drawn + 1, idle_fractions=[idle_fraction(s["events"]) for s in timed],
                               step_s=[s["step_s"] for s in timed],
                               stage_costs=[stage_costs(s["events"]) for s in timed],
                               model_idle_fractions=[idle_fraction(simulate(s["schedule"], stage_costs(s["events"])))
                                                     for s in timed],
                               peak_activation_bytes=held.get("peak_activation_bytes"))
+                if config.floor == case:            # the same case again, round by round: the noise floor
+                    result.update(floor_step_s=[s["step_s"] for s in steps["again"][1:]],
+                                  floor_idle_fractions=[idle_fraction(s["events"]) for s in steps["again"][1:]])
         results[case] = result
         if i == failed:
             break

@@ -1,13 +1,14 @@
 """Lab 09's comparison: the same GPT stages under ``torch.distributed.pipelining``'s schedules.
 
-    torchrun --standalone --nproc-per-node 2 -m lablib.labs.pipeline_parallel.run_pipeline_torch --n-microbatches 8 --rounds 6 --out out.json
+    torchrun --standalone --nproc-per-node 2 -m lablib.labs.pipeline_parallel.run_pipeline_torch --n-microbatches 8 --rounds 10 --out out.json
 
 For each schedule the GPT is cut into p x v chunks (``lablib.parallel.pipeline.gpt_stages``, the last one returning
 logits; the loss is the schedule's ``loss_fn``), rank r holds chunks r, r + p, ... (ZBV: r and 2p - 1 - r,
 its "V"; also DualPipeV, DeepSeek-V3's schedule), and PyTorch's ``PipelineStage`` and schedule run the steps: one to warm up (it also infers the
 shapes), then ``rounds`` timed rounds in which every schedule, and the floor schedule (1F1B) a second time on its own
-copy, takes one step, the order reversed every other round (``timed_rounds``: per step the slowest rank; per round each
-schedule's step over 1F1B's, beside 1F1B's second copy over its first, the noise floor), then one more step each under
+copy, takes one step, the order rotated by one each round and the copy half a round from the first (``timed_rounds``:
+per step the slowest rank; per round each schedule's step over 1F1B's, beside 1F1B's second copy over its first, the
+noise floor), then one more step each under
 ``lablib.measure.memory.MemoryTimeline`` for the saved activations each rank held at its peak. The last rank's
 micro-batch losses are compared with one process's.
 """
@@ -41,7 +42,7 @@ class Config:
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     n_microbatches: int = 8
     micro_batch: int = 4
-    rounds: int = 6                     # timed rounds: every schedule one step per round (after one warm-up step)
+    rounds: int = 10                    # timed rounds: every schedule one step per round (after one warm-up step)
     floor: str = "1f1b"                 # timed twice per round: against itself, the noise floor of the ratios
     n_layer: int = SMALL.n_layer
     n_embd: int = 128
@@ -94,13 +95,17 @@ class _Runner:
 
 def timed_rounds(runners: dict, env, config: Config) -> dict:
     """Every schedule, and the floor schedule a second time (its own copy), one step each per round, the order
-    reversed every other round (A B ... B A); each step after a barrier, on a stopwatch, per round the slowest
-    rank (``timing.slowest_rank``). Per round each schedule's step over the floor schedule's, and the floor's
-    second copy over its first: the same code timed against itself, the noise floor (``timing.noise_verdict``)."""
-    arms = list(runners)
+    rotated by one each round (over as many rounds as there are arms, each arm runs once in each place of a round;
+    the copy half a round from the first, never parked beside it at one end); each step after a barrier, on a
+    stopwatch, per round the slowest rank (``timing.slowest_rank``). Per round each schedule's step over the floor
+    schedule's, and the floor's second copy over its first: the same code timed against itself, the noise floor
+    (``timing.noise_verdict``)."""
+    arms = [a for a in runners if a != config.floor + "_again"]
+    first = arms.index(config.floor)
+    arms.insert((first + (len(arms) + 1) // 2) % len(arms) + 1, config.floor + "_again")
     per_arm = {a: [] for a in arms}
     for r in range(config.rounds):
-        for a in (arms if r % 2 == 0 else arms[::-1]):
+        for a in arms[r % len(arms):] + arms[:r % len(arms)]:
             timing.barrier(env.device)
             with timing.stopwatch(per_arm[a], env.device):
                 runners[a].step()

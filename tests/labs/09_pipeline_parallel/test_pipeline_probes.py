@@ -283,17 +283,29 @@ def test_config_is_strict():
         cfg.from_options(pipeline_run.Config, {"cases": ("gpipe:2:2",), "orders": ("F0 F2 B0 B1/F0 F1 B0 B1",),
                                                "impl": __file__})
     assert pipeline_probes.case_options(EXAMPLE)["orders"][1] == "F0 F1 B0 F2 B1 B2/F0 B0 F1 B1 F2 B2"
+    for floor, repeat in (("gpipe:2:8", 3), (list(EXAMPLE)[0], 1)):   # not a case; no timed round to compare in
+        with pytest.raises(ValueError, match="floor"):
+            cfg.from_options(pipeline_run.Config, {**pipeline_probes.case_options(EXAMPLE), "floor": floor,
+                                                   "repeat": repeat, "impl": __file__})
 
 
 def test_real_ranks_pass_and_a_blocking_send_deadlocks_with_a_message(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    floor = list(EXAMPLE)[-1]
     good = launch.run("pipeline", {"impl": write_engine(tmp_path / "good.py"), **pipeline_probes.case_options(EXAMPLE),
-                                   "repeat": 3}, nproc=2, timeout_s=120, quiet=True)
-    for r in good.metrics.runs.values():      # the measurement's rounds: round 0 warms up, two timed
+                                   "repeat": 4, "floor": floor}, nproc=2, timeout_s=120, quiet=True)
+    for case, r in good.metrics.runs.items():      # the measurement's rounds: round 0 warms up, three timed
         pipeline_probes.check_engine(r)
-        assert len(r.idle_fractions) == len(r.step_s) == len(r.stage_costs) == len(r.model_idle_fractions) == 2
-        assert r.idle_fractions.count(pipeline.idle_fraction(r.events)) >= 1     # the drawn step is a timed one
+        assert len(r.idle_fractions) == len(r.step_s) == len(r.stage_costs) == len(r.model_idle_fractions) == 3
+        # the drawn step is the timed round of median idle share (3 rounds: the middle one), and says which
+        assert r.idle_fractions[r.drawn_round - 1] == pipeline.idle_fraction(r.events)
+        assert sorted(r.idle_fractions)[1] == pipeline.idle_fraction(r.events)
+        # the floor case ran a second time in every timed round (its own steps, not a copy of the first run's)
+        assert ("floor_step_s" in r) == (case == floor)
         assert all(0 <= x < 1 for x in r.model_idle_fractions) and all(b > 0 for b in r.peak_activation_bytes)
+    again = good.metrics.runs[floor]
+    assert len(again.floor_step_s) == len(again.floor_idle_fractions) == 3
+    assert all(0 < x < 1 for x in again.floor_idle_fractions) and again.floor_step_s != again.step_s
     cases = {"1f1b:2:4": pipeline_ref.schedule("1f1b", 2, 4), **EXAMPLE}
     bad = launch.run("pipeline", {"impl": write_engine(tmp_path / "bad.py", blocking=True),
                                   **pipeline_probes.case_options(cases), "p2p_timeout_s": 3.0},

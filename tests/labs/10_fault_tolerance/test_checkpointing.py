@@ -110,7 +110,7 @@ def _metrics():
     return {"reference": ref, "steps": steps,
             "attempts": [{"attempt": 0, "world_size": 2, "resumed_step": 0},
                          {"attempt": 1, "world_size": 2, "resumed_step": 4, "t_process": 10.0, "t_group": 12.0,
-                          "t_start": 12.5, "t_loaded": 13.0}],
+                          "t_start": 12.5, "t_optimizer": 12.7, "t_loaded": 13.0}],
             "faults": [{"kind": "kill", "rank": 1, "step": 5, "attempt": 0, "t": 9.0, "t_detected": 9.1}],
             "saves": [{"seconds": 0.2}]}
 
@@ -136,8 +136,11 @@ def test_restart_timeline_splits_the_time_lost():
     (t,) = ft_probes.restart_timeline(m)
     assert t["replayed_steps"] == 1
     assert t["parts"] == pytest.approx({"detect": 0.1, "new processes": 0.9, "start-up": 2.0, "build": 0.5,
-                                        "load": 0.5, "replay": 1.0})
+                                        "shard + optimizer": 0.2, "load": 0.3, "replay": 1.0})
     assert t["lost_s"] == pytest.approx(5.0)
+    del m["attempts"][1]["t_optimizer"]     # a log from before the split: the whole of start() is the load
+    (t,) = ft_probes.restart_timeline(m)
+    assert (t["parts"]["shard + optimizer"], t["parts"]["load"]) == pytest.approx((0.0, 0.5))
 
 
 def test_save_timing_takes_turns_and_reads_against_a_floor():
