@@ -41,4 +41,13 @@ def test_fit_rejects_bad_input(xs, ts, match):
 def test_tables_are_numbers():
     assert set(commcost.INTERCONNECTS) == {"NVLink", "PCIe", "InfiniBand"}
     assert all(v > 1e9 for v in commcost.INTERCONNECTS.values())
-    assert commcost.MODELS["LLaMA-7B"] == 7e9
+    assert commcost.MODELS["LLaMA-7B"] == 6.74e9
+
+
+def test_flat_times_give_no_crossover():
+    """Equal times at two sizes fit beta = 0 (a latency-bound curve): the crossover is refused with a message, not a
+    ZeroDivisionError."""
+    a, beta = commcost.fit_alpha_beta([1e3, 1e6], [1e-3, 1e-3])
+    assert beta == pytest.approx(0.0, abs=1e-15)
+    with pytest.raises(ValueError, match="positive beta"):
+        commcost.crossover_bytes(a, beta)

@@ -88,22 +88,24 @@ def test_run_script_benchmark_reports_medians(tmp_path):
                         timeout_s=120, quiet=True)
     bench = result["metrics"]["bench"]
     assert bench["n_bytes"] == [1024, 65536]
-    for name in ("ring", "naive", "gloo", "gloo_again"):
+    for name in ("ring", "naive", "gloo", "gloo_again", "ring_again"):
         assert len(bench[f"{name}_s"]) == 2 and all(t > 0 for t in bench[f"{name}_s"])
-    assert len(bench["ring_all_s"][0]) == 4       # messages up to 1 MiB are repeated 4x
-    # the ratios per repetition are the times' ratios, and each size gets a verdict against gloo timed against itself
+    assert len(bench["ring_all_s"][0]) == 5       # messages up to 1 MiB are repeated 4x, rounded up to whole turns of 5
+    # the ratios per repetition are the times' ratios, and each comparison is read against its denominator timed
+    # against itself: ring / gloo against gloo again / gloo, naive / ring against ring again / ring
     assert bench["floor_gloo_again_over_gloo"][1][0] == pytest.approx(bench["gloo_again_all_s"][1][0] / bench["gloo_all_s"][1][0])
+    assert bench["floor_ring_again_over_ring"][1][3] == pytest.approx(bench["ring_again_all_s"][1][3] / bench["ring_all_s"][1][3])
     assert bench["ring_over_gloo"][0][2] == pytest.approx(bench["ring_all_s"][0][2] / bench["gloo_all_s"][0][2])
     assert [set(v) for v in bench["verdicts"]] == [{"ring_vs_gloo", "naive_vs_ring"}] * 2
 
 
 def test_benchmark_repetitions_rotate_whole_turns():
-    """Every arm goes first equally often: the repetitions are whole rotations of the four arms; 4x the repeats up
-    to 1 MiB, 1.5x above (5 -> 20 and 8)."""
+    """Every arm goes first equally often: the repetitions are whole rotations of the five arms; 4x the repeats up
+    to 1 MiB, 1.5x above, rounded up to whole turns (5 -> 20 and 10)."""
     from lablib.labs.ring_allreduce.run import BENCH_ARMS, repetitions
-    assert len(BENCH_ARMS) == 4 and BENCH_ARMS.count("gloo_again") == 1
-    assert [repetitions(n, 5) for n in (1024, 2**20, 2**20 + 4, 2**26)] == [20, 20, 8, 8]
-    assert repetitions(2**26, 1) == 4 and all(repetitions(2**26, r) % 4 == 0 for r in range(1, 12))
+    assert len(BENCH_ARMS) == 5 and BENCH_ARMS.count("gloo_again") == 1 and BENCH_ARMS.count("ring_again") == 1
+    assert [repetitions(n, 5) for n in (1024, 2**20, 2**20 + 4, 2**26)] == [20, 20, 10, 10]
+    assert repetitions(2**26, 1) == 5 and all(repetitions(2**26, r) % 5 == 0 for r in range(1, 12))
 
 
 def test_deadlock_fails_fast_with_a_message(tmp_path):

@@ -28,11 +28,12 @@ INTERCONNECTS = {
 }
 
 # Parameter counts of the models in the seed table. GPT-2 small is 124 M with its tied embedding counted once
-# (the GPT-2 paper's "117M" is an older count of the same model).
+# (the GPT-2 paper's "117M" is an older count of the same model). LLaMA-7B is 6.7 B (Touvron et al. 2023, Table 2;
+# the released checkpoint holds 6,738 M): "7B" is its nominal name.
 MODELS = {
     "GPT-2 small": 124e6,
     "GPT-2 large": 774e6,
-    "LLaMA-7B": 7e9,
+    "LLaMA-7B": 6.74e9,
 }
 
 
@@ -68,4 +69,7 @@ def fit_alpha_beta(n_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[
 
 def crossover_bytes(alpha_s: float, beta_s_per_byte: float) -> float:
     """The message size at which latency and transfer cost the same for one message: alpha / beta bytes."""
+    if not beta_s_per_byte > 0:
+        raise ValueError(f"beta = {beta_s_per_byte!r} s/byte: a crossover needs a positive beta (a fit over sizes whose "
+                         f"times did not grow with the message, latency-bound, gives none)")
     return alpha_s / beta_s_per_byte

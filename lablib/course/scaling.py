@@ -60,6 +60,10 @@ class BucketTimer:
 
     Register it with ``ddp.register_comm_hook(timer, BucketTimer.hook)``. DDP's built-in all-reduce does
     the same work in C++; a Python hook adds a few microseconds per bucket.
+
+    The "done" time is taken in the future's callback. On gloo that runs when the all-reduce has finished; for CUDA
+    tensors it "might be invoked while the async kernels ... haven't yet finished executing on the device"
+    (torch/futures/__init__.py:114-119), so on NCCL the spans are launch times, not the device's.
     """
 
     def __init__(self, group=None):
@@ -76,7 +80,7 @@ class BucketTimer:
         future = dist.all_reduce(buffer, group=timer.group, async_op=True).get_future()
 
         def finished(f):
-            # Runs when the all-reduce completes (on gloo, in its worker thread): that is the "done" time.
+            # On gloo this runs when the all-reduce completes (in its worker thread): the "done" time (not on CUDA).
             timer.spans.append((launched, time.perf_counter(), buffer.numel() * buffer.element_size(),
                                 bucket.index()))
             return f.value()[0].div_(dist.get_world_size(timer.group))

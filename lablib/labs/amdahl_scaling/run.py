@@ -161,8 +161,10 @@ def rotation(step: int) -> tuple[str, ...]:
 def explicit_step(env, r: Replica, xb, yb, again: bool = False) -> None:
     """No overlap: compute, then one all-reduce, then the optimizer step, each timed on its own.
 
-    On every rank compute + wait is the same time, the slowest rank's compute (the fast ranks wait for
-    it at the barrier), so the step is (slowest compute) + comm + opt; ``wait`` shows the imbalance.
+    On a fast rank compute + wait is about the slowest rank's compute (it waits for it at the barrier), so the step
+    is about (slowest compute) + comm + opt; ``wait`` shows the imbalance. Only about: the slowest rank's own pass
+    through the barrier is not free (the others must be scheduled to answer, which with more ranks than cores takes
+    tens of milliseconds), and the parts' medians need not add up to the whole step's median.
     ``again``: the same step on the second explicit model (the noise floor), into its own lists.
     """
     model, opt = (r.again, r.opt_again) if again else (r.plain, r.opt_plain)

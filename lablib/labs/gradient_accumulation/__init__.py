@@ -7,8 +7,8 @@ rank trains the course MLP under DDP with the student's step three times, taking
 as written; with ``no_sync`` made a do-nothing, so every backward all-reduces; as written again, the noise floor of the
 timing), the all-reduces counted by a DDP communication hook, and rank 0 trains one process on each whole global
 batch and writes the JSON (all-reduces per step, step times and their per-round ratios, the largest weight
-difference and its rounding bound); back in the notebook the test cell judges the counts (K x buckets against
-buckets) and the difference against the bound. The other exercises (the micro-batch share of a token-mean loss, the
+difference and its rounding estimate); back in the notebook the test cell judges the counts (K x buckets against
+buckets) and the difference against the estimate. The other exercises (the micro-batch share of a token-mean loss, the
 learning-rate scaling) run in the notebook's process alone.
 
 Modules: ``run_grad_accum`` (the torchrun step ``grad_accum``).

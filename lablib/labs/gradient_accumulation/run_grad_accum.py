@@ -13,8 +13,9 @@ turns step by step:
 Each arm's all-reduces are counted with a DDP communication hook and its steps timed; ``rounds`` holds, per timed
 step, sync_every / no_sync and no_sync_again / no_sync, and whether the first lies beyond the second.
 Rank 0 also trains a plain single-process copy on each whole global batch (world_size * K micro-batches
-in one backward) - the reference the accumulated DDP weights must equal, to within the rounding bound of
-``rankcheck.sgd_rounding_bound`` (the MLP uses GELU: with ReLU's kink a rounding-sized difference can flip one
+in one backward) - the reference the accumulated DDP weights must equal, to within the rounding estimate of
+``rankcheck.sgd_rounding_bound`` (an estimate, not a bound: see its docstring; over all ``steps``, the untimed first
+included; the MLP uses GELU: with ReLU's kink a rounding-sized difference can flip one
 sample's activation and part the two runs by far more than rounding, as it did from step 8 at lr 0.05). With ``--last-micro-batch-size``
 each rank's last micro-batch is smaller than the others (the end of an epoch), so the micro-batch losses
 must be weighted by their share of the samples, not by 1/K.
@@ -150,7 +151,7 @@ def paired_rounds(metrics: dict, accum_steps: int) -> dict:
 
 def reference_weights(config: Config, world_size: int, device) -> tuple[torch.nn.Module, float]:
     """Plain single-process training on each whole global batch: one forward, one backward, one step.
-    Returns the model and the largest |gradient element| seen over the steps (the rounding bound's scale)."""
+    Returns the model and the largest |gradient element| seen over the steps (the rounding estimate's scale)."""
     model = new_model(config, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
     max_grad = 0.0
@@ -188,7 +189,7 @@ def run(env, config: Config) -> dict:
               f"{t_every * 1e3:.1f} ms -> {t_no * 1e3:.1f} ms (ratio {rounds['median_ratio']:.2f}, rounds "
               f"{min(rounds['ratio']):.2f}-{max(rounds['ratio']):.2f}; no_sync against itself "
               f"{min(rounds['floor']):.2f}-{max(rounds['floor']):.2f}); max |w_ddp - w_single| = "
-              f"{result['max_abs_diff_vs_single_process']:.2e} (rounding bound {result['rounding_bound']:.2e})")
+              f"{result['max_abs_diff_vs_single_process']:.2e} (rounding estimate {result['rounding_bound']:.2e})")
     return result
 
 
