@@ -18,7 +18,9 @@ ones), because every step waits for whichever rank is slow in it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import random
 import statistics
 import time
 from typing import Iterator, Sequence
@@ -73,6 +75,20 @@ def step_times(per_step_s: Sequence[float], device: torch.device, group=None, wa
         raise ValueError(f"warmup={warmup} must leave at least one of the {len(per_step_s)} timed steps")
     slowest = slowest_rank(per_step_s[warmup:], device, group)
     return {"median_step_s": median(slowest), "step_s": slowest}
+
+
+def turn_order(arms: Sequence, index: int, seed: int = 0) -> list:
+    """The order in which ``arms`` take their turn in round (or step) ``index``: the same on every rank (no
+    randomness that differs between processes). With up to 3 arms, all their orders in turn (over any multiple of 6
+    rounds, of 2 for two arms, each arm goes first, and right after each other arm, as often as any other);
+    with more, a fresh shuffle from a generator seeded by ``seed`` and ``index``. A rotation (A B C, B C A, C A B)
+    would keep the arm that runs right before each arm the same in every round, and a carry-over effect (caches, a
+    burst of load that outlasts a step) would then bias one ratio the same way every time."""
+    arms = list(arms)
+    if len(arms) <= 3:
+        orders = list(itertools.permutations(arms))
+        return list(orders[index % len(orders)])
+    return random.Random(seed * 1_000_003 + index).sample(arms, len(arms))
 
 
 def beyond_all_chance(n_row: int, n_floor: int, k: int) -> float:
