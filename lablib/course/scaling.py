@@ -114,7 +114,7 @@ def hidden_comm_fraction(t_step_no_overlap: float, t_step_overlap: float, t_comm
 
 
 def bucketed_backward(t_backward: float, grad_bytes: float, bucket_bytes: float,
-                      allreduce_time: Callable[[float], float]) -> dict:
+                      allreduce_time: Callable[[float], float], n_buckets: int | None = None) -> dict:
     """When the backward and its bucketed gradient all-reduces are done, in a simple schedule of DDP.
 
     Assumptions (Li et al., VLDB 2020, section 3.2): gradients become ready at a steady rate
@@ -123,6 +123,10 @@ def bucketed_backward(t_backward: float, grad_bytes: float, bucket_bytes: float,
     communication stream, buckets in order); a tensor is never split (not modelled: buckets here are
     exactly bucket_bytes, the last one smaller). allreduce_time(n_bytes) is one all-reduce's seconds,
     e.g. the ring's alpha-beta time from lab 02.
+
+    ``n_buckets``, when the count is known (a measured run's), is taken as given (the last bucket takes what is left):
+    ``ceil(grad_bytes / (grad_bytes / n))`` is n + 1 for some n in floating point (n = 29 at 1,653,248 B), which
+    would charge one more latency for a bucket of a few bytes.
 
     Returns seconds from the start of the backward: ``done`` (backward and all communication finished),
     ``exposed_comm`` (done - t_backward: communication nothing hid), ``comm`` (all all-reduces together)
@@ -133,10 +137,13 @@ def bucketed_backward(t_backward: float, grad_bytes: float, bucket_bytes: float,
         raise ValueError(f"t_backward={t_backward} must be >= 0 and grad_bytes={grad_bytes} positive")
     if not bucket_bytes > 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive (DDP's bucket_cap_mb, in bytes)")
-    n_buckets = math.ceil(grad_bytes / bucket_bytes)
+    if n_buckets is None:
+        n_buckets = math.ceil(grad_bytes / bucket_bytes)
+    elif n_buckets < 1:
+        raise ValueError(f"n_buckets={n_buckets} must be at least 1")
     comm_free, comm = 0.0, 0.0
     for i in range(n_buckets):
-        filled = min(grad_bytes, (i + 1) * bucket_bytes)
+        filled = grad_bytes if i == n_buckets - 1 else min(grad_bytes, (i + 1) * bucket_bytes)
         ready = t_backward * filled / grad_bytes                 # the bucket's last gradient is computed
         cost = allreduce_time(filled - i * bucket_bytes)
         comm_free = max(ready, comm_free) + cost                 # waits for its data and for the stream

@@ -18,7 +18,9 @@ ones), because every step waits for whichever rank is slow in it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import random
 import statistics
 import time
 from typing import Iterator, Sequence
@@ -73,6 +75,20 @@ def step_times(per_step_s: Sequence[float], device: torch.device, group=None, wa
         raise ValueError(f"warmup={warmup} must leave at least one of the {len(per_step_s)} timed steps")
     slowest = slowest_rank(per_step_s[warmup:], device, group)
     return {"median_step_s": median(slowest), "step_s": slowest}
+
+
+def turn_order(arms: Sequence, index: int, seed: int = 0) -> list:
+    """The order in which ``arms`` take their turn in round (or step) ``index``: the same on every rank (no
+    randomness that differs between processes). With up to 3 arms, all their orders in turn (over any multiple of 6
+    rounds, of 2 for two arms, each arm goes first, and right after each other arm, as often as any other);
+    with more, a fresh shuffle from a generator seeded by ``seed`` and ``index``. A rotation (A B C, B C A, C A B)
+    would keep the arm that runs right before each arm the same in every round, and a carry-over effect (caches, a
+    burst of load that outlasts a step) would then bias one ratio the same way every time."""
+    arms = list(arms)
+    if len(arms) <= 3:
+        orders = list(itertools.permutations(arms))
+        return list(orders[index % len(orders)])
+    return random.Random(seed * 1_000_003 + index).sample(arms, len(arms))
 
 
 def beyond_all_chance(n_row: int, n_floor: int, k: int) -> float:
@@ -131,19 +147,10 @@ def against_reference(row_s: Sequence[float], reference_s: Sequence[float], comp
             "floor_range": [min(floor), max(floor)], **noise_verdict(ratios, floor, comparisons)}
 
 
-def turn_order(names: Sequence[str], r: int) -> list[str]:
-    """The arms' order in round r: rotated by r, reversed every other len(names) rounds. Over 2 len(names) rounds
-    each arm takes every place equally often (two arms: A B, B A, B A, A B; three: every one of the 6 orders), so
-    a noise-floor arm is not parked at the ends of a round, and a burst of load falls on no arm more than another."""
-    names = list(names)
-    k = r % len(names)
-    order = names[k:] + names[:k]
-    return order[::-1] if (r // len(names)) % 2 else order
-
-
 def take_turns(arms: dict, rounds: int, device: torch.device, group=None) -> dict:
     """Time arms (name -> a callable doing one step) taking turns: one untimed warm-up call each, then ``rounds``
-    rounds in ``turn_order``, each call after a ``barrier``. Every rank of group must call it with the same arms.
+    rounds in ``turn_order`` (round r's order), each call after a ``barrier``. Every rank of group must call it with
+    the same arms.
 
     Returns, per arm, ``step_times`` of its calls in round order (``step_s[r]`` is round r's slowest rank) and the
     CPU time of the process per call (``time.process_time``; the busiest rank's per round, ``cpu_s``, with its

@@ -28,6 +28,7 @@ Four parts, one torchrun start, every variant trained from the same initial weig
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from types import SimpleNamespace
@@ -41,7 +42,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lablib.course import commcost, scaling
 from lablib.measure import counting, timing
 from lablib.labs.ddp_from_scratch.timeline import (BlockTimes, ddp_style_fraction, grad_bytes_and_count,  # noqa: F401
-                                                   overlap_fraction, record_step, without_usage_map)
+                                                   overlap_fraction, record_step, without_usage_map,
+                                                   grad_ready_hook)
 from lablib.jobs import script
 from lablib.jobs import config as cfg
 from lablib.jobs.exercise import load_fresh, require_file
@@ -114,7 +116,7 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
         # compute, DDP's kBackwardComputeEnd; DDP's backward() returns only after its all-reduces are done.
         grad_ready: list[float] = []
         for p in gpt.parameters():
-            p.register_post_accumulate_grad_hook(lambda _, ready=grad_ready: ready.append(time.perf_counter()))
+            p.register_post_accumulate_grad_hook(grad_ready_hook(grad_ready, profiled=env.device.type == "cuda"))
         bucket_timer = None
         if variant == "ddp":
             # A Python communication hook that timestamps each bucket's all-reduce (the benchmark's DDP has none).
@@ -123,13 +125,12 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
         setups[variant] = SimpleNamespace(gpt=gpt, blocks=blocks, recorder=recorder, model=model, grad_ready=grad_ready,
                                           bucket_timer=bucket_timer, steps=[],
                                           optimizer=torch.optim.SGD(model.parameters(), lr=config.lr))
-    # The variants take turns step by step (who goes first rotates), so a burst of load from another program
-    # falls on all three rather than on whichever ran its steps at that moment.
-    # DDP's logger averages its iterations 1-10; every variant gets as many steps (the same spread to compare).
+    # The variants take turns step by step, in all six orders in turn (timing.turn_order), so a burst of load from
+    # another program falls on all three rather than on whichever ran its steps at that moment, and none always
+    # runs right after the same one. DDP's logger averages its iterations 1-10; every variant gets as many steps.
     for step in range(config.timeline_steps):
         batch = batches.rank_batch(step)
-        k = step % len(TIMELINE_VARIANTS)
-        for variant in TIMELINE_VARIANTS[k:] + TIMELINE_VARIANTS[:k]:
+        for variant in timing.turn_order(TIMELINE_VARIANTS, step):
             v = setups[variant]
             v.optimizer.zero_grad()
             v.recorder.reset()
@@ -141,20 +142,23 @@ def timeline(env, config: Config, impl, batches: Batches) -> dict:
                                        v.grad_ready, v.blocks, v.bucket_timer))
     out = {}
     for variant, v in setups.items():
-        timed = v.steps[1:]                    # iteration 0 builds buckets and warms caches
+        # Iteration 0 builds buckets and warms caches; DDP *rebuilds* its buckets at the start of iteration 1
+        # (reducer.hpp's rebuild_buckets, in its second forward), so that step is left out too, for every variant
+        # alike. DDP's own logger still averages its iterations 1-10, the rebuild included.
+        timed = v.steps[2:]
         if variant == "bucketed":
             timed = [without_usage_map(s, *grad_bytes_and_count(v.gpt)) for s in timed]
         fractions = [s["overlap_fraction"] for s in timed]
         mine = {"clock": "gpu profiler trace" if env.device.type == "cuda" else "cpu perf_counter",
                 "median_overlap_fraction": statistics.median(fractions), "overlap_fractions": fractions,
                 # DDP's own statistic on the same iterations it averages (1-10): mean overlap / mean communication
-                "ddp_style_overlap_fraction": ddp_style_fraction(timed[:10]),
+                "ddp_style_overlap_fraction": ddp_style_fraction(v.steps[1:11]),
                 # this rank's own forward + backward compute (the last gradient final): the ranks' imbalance
                 "median_compute_s": statistics.median(s["compute_end"] for s in timed),
                 # from the last gradient final to the gradients synchronized: what the backward did not hide
                 "median_tail_s": statistics.median(s["finish_end"] - s["compute_end"] for s in timed),
                 # the drawn step: the middle one in time order (timed step len // 2), not the median step
-                "step": timed[len(timed) // 2], "step_index": len(timed) // 2 + 1,
+                "step": timed[len(timed) // 2], "step_index": len(timed) // 2 + 2,
                 "rank_median_step_s": statistics.median(s["end"] for s in timed),
                 "rank_step_s": [s["end"] for s in timed]}   # this rank's own: the timeline is per rank
         if variant == "ddp":
@@ -188,8 +192,7 @@ def sweep(env, config: Config, impl, batches: Batches) -> dict:
     grad_bytes, n_params = grad_bytes_and_count(plain)
     for step in range(config.sweep_rounds + 1):     # the first round is warm-up
         batch = batches.rank_batch(step)
-        k = step % len(arms)
-        for a in arms[k:] + arms[:k]:                # the arms take turns, step by step; who goes first rotates
+        for a in timing.turn_order(arms, step, config.seed):   # the arms take turns step by step, shuffled each step
             timing.barrier(env.device)
             if step == 0:                            # warm-up: count the buckets (not timed), the usage map apart
                 with counting.count_collectives() as log:
@@ -241,21 +244,24 @@ ARMS = ("bucketed", "ddp", "ddp_again")   # yours, DDP, and DDP again: the noise
 def benchmark(env, config: Config, impl, batches: Batches) -> dict:
     variants = {v: wrap(v.removesuffix("_again"), impl, new_gpt(config, env), config.bucket_size_mb) for v in ARMS}
     optimizers = {v: torch.optim.SGD(m.parameters(), lr=config.lr) for v, m in variants.items()}
-    for v in variants:                              # warm-up (DDP rebuilds its buckets at its first step)
-        train_step(variants[v], optimizers[v], batches.rank_batch(0))
+    for _ in range(2):                              # warm-up: DDP builds its buckets at step 0, rebuilds them at step 1
+        for v in variants:
+            train_step(variants[v], optimizers[v], batches.rank_batch(0))
     rounds = []
     for r in range(config.rounds):
-        order = ARMS[r % 3:] + ARMS[:r % 3]        # who goes first rotates by round
+        order = timing.turn_order(ARMS, r)         # the six orders of the three arms, one per round
         times = {v: [] for v in variants}
-        for i in range(config.steps_per_round):   # step by step, A B A B ...: a burst of load hits both
-            batch = batches.rank_batch(1 + r * config.steps_per_round + i)   # the same batch for both
-            for v in order:
+        for i in range(config.steps_per_round):   # step by step, A B C C B A ...: a burst of load hits all three
+            batch = batches.rank_batch(1 + r * config.steps_per_round + i)   # the same batch for all
+            for v in (order if i % 2 == 0 else order[::-1]):
                 timing.barrier(env.device)
                 with timing.stopwatch(times[v], env.device):
                     train_step(variants[v], optimizers[v], batch)
         medians = {v: timing.median(timing.slowest_rank(t, env.device)) for v, t in times.items()}
         rounds.append({**medians, "ratio": medians["bucketed"] / medians["ddp"],
-                       "noise_ratio": medians["ddp_again"] / medians["ddp"]})
+                       "noise_ratio": medians["ddp_again"] / medians["ddp"],
+                       # against both DDP copies (their geometric mean): the reference's own noise halved in the log
+                       "ratio_to_both": medians["bucketed"] / math.sqrt(medians["ddp"] * medians["ddp_again"])})
     # Bytes per step, counted where the collective is called: the students' class through torch.distributed,
     # DDP's reducer through a communication hook (on a separate copy, so the timed DDP has no Python hook).
     with counting.count_collectives() as mine:
@@ -271,6 +277,7 @@ def benchmark(env, config: Config, impl, batches: Batches) -> dict:
     positions, j = buckets_and_usage_map(mine_sent, grad_bytes, n_params)
     ratios, noise = [r["ratio"] for r in rounds], [r["noise_ratio"] for r in rounds]
     return {"cap_mb": config.bucket_size_mb, "rounds": rounds, "median_ratio": statistics.median(ratios),
+            "median_ratio_to_both": statistics.median(r["ratio_to_both"] for r in rounds),
             "ratio_range": [min(ratios), max(ratios)], "median_noise_ratio": statistics.median(noise),
             "noise_ratio_range": [min(noise), max(noise)],
             "bucket_bytes": {"bucketed": [mine_sent[i] for i in positions],

@@ -8,9 +8,10 @@ Two clocks, one per backend:
 - NCCL on GPUs: CPU times say when work was *issued*, not when it ran: kernels queue on streams, and NCCL marks
   a work's future complete once the collective is enqueued, so "done" would equal "launched" and every variant
   would look fully hidden. There the timeline comes from a profiler trace (``torch.profiler``, CUDA activity):
-  each NCCL kernel's start and end on the GPU, and the end of the last compute kernel that the backward issued
-  (its launch, found through the trace's correlation ids, before ``backward()`` returned). Block spans are not
-  drawn there (their hooks run on the CPU).
+  each NCCL kernel's start and end on the GPU, and the end of the last compute kernel launched by the time the
+  last gradient became final (its launch found through the trace's correlation ids; not by the time
+  ``backward()`` returned, which for PyTorch's DDP comes after its communication: ``read_cuda_trace``). Block
+  spans are not drawn there (their hooks run on the CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lablib.labs.ddp_from_scratch.order import buckets_and_usage_map
 from lablib.measure import counting
 
 MARK = "lab06_step", "lab06_backward"   # the trace's user annotations around the step and around loss.backward()
+GRAD_READY = "lab06_grad_ready"         # ... and at each gradient becoming final (grad_ready_hook)
 
 
 def overlap_fraction(comm: list[tuple[float, float]], compute_end: float) -> float:
@@ -49,10 +51,49 @@ class BlockTimes:
             module.register_full_backward_hook(lambda m, gi, go, name=name: self.spans[name].append(time.perf_counter()))
 
 
+def grad_ready_hook(ready: list[float], profiled: bool):
+    """A post-accumulate-grad hook that notes when a gradient became final: perf_counter seconds in ``ready``, and
+    when ``profiled`` (CUDA) a ``GRAD_READY`` annotation on the trace's clock too (``read_cuda_trace`` ends the
+    compute at the last one: kernels launched until then are the backward's own). On the CPU no annotation: it
+    would add its cost to every gradient of the timed backward."""
+    from torch.profiler import record_function
+
+    def hook(_):
+        if profiled:
+            with record_function(GRAD_READY):
+                ready.append(time.perf_counter())
+        else:
+            ready.append(time.perf_counter())
+    return hook
+
+
+def read_cuda_trace(events: list[dict]) -> dict:
+    """From a chrome trace's complete events (``ph == "X"``): seconds from the step's start, ``comm`` (NCCL kernels:
+    start, end), ``compute_end`` (the end of the last non-NCCL kernel launched no later than the last gradient
+    became final, the last ``GRAD_READY`` annotation, found through the trace's correlation ids).
+
+    Not "launched before backward() returned": PyTorch's DDP finishes inside backward() (its reducer's
+    ``finalize_backward`` runs as the autograd engine's final callback; with ``gradient_as_bucket_view=False`` it
+    copies every bucket back into ``.grad``, kernels queued after the last NCCL kernel), so that bound would end
+    DDP's compute after its communication and read it as 100 % hidden."""
+    marks = {e["name"]: e for e in events if e.get("cat") == "user_annotation" and e["name"] in MARK}
+    ready = [e["ts"] + e.get("dur", 0) for e in events if e.get("cat") == "user_annotation" and e["name"] == GRAD_READY]
+    t0 = marks[MARK[0]]["ts"]
+    cutoff = max(ready) if ready else marks[MARK[1]]["ts"] + marks[MARK[1]]["dur"]
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    comm = [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in kernels if "nccl" in e["name"].lower()]
+    compute = [e for e in kernels if "nccl" not in e["name"].lower()
+               and launched.get(e.get("args", {}).get("correlation"), float("inf")) <= cutoff]
+    compute_end = max(((e["ts"] + e["dur"] - t0) / 1e6 for e in compute), default=0.0)
+    return {"comm": comm, "compute_end": compute_end}
+
+
 def profile_cuda_step(step) -> dict:
-    """Run ``step(mark_backward)`` under the profiler (CUDA) and read the GPU's timeline from its trace: seconds from
-    the step's start, ``comm`` (NCCL kernels: start, end), ``compute_end`` (the end of the last non-NCCL kernel
-    launched before backward() returned). ``step`` wraps its loss.backward() in ``mark_backward()``."""
+    """Run ``step(mark_backward)`` under the profiler (CUDA) and read the GPU's timeline from its trace
+    (``read_cuda_trace``). ``step`` wraps its loss.backward() in ``mark_backward()``; the model's gradients carry
+    ``grad_ready_hook``s."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -64,17 +105,7 @@ def profile_cuda_step(step) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    marks = {e["name"]: e for e in events if e.get("cat") == "user_annotation" and e["name"] in MARK}
-    t0 = marks[MARK[0]]["ts"]
-    backward_returned = marks[MARK[1]]["ts"] + marks[MARK[1]]["dur"]
-    launched = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    comm = [((e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in kernels if "nccl" in e["name"].lower()]
-    compute = [e for e in kernels if "nccl" not in e["name"].lower()
-               and launched.get(e.get("args", {}).get("correlation"), float("inf")) <= backward_returned]
-    compute_end = max(((e["ts"] + e["dur"] - t0) / 1e6 for e in compute), default=0.0)
-    return {"comm": comm, "compute_end": compute_end}
+    return read_cuda_trace(events)
 
 
 def record_step(env, model, batch, finish, optimizer, recorder, grad_ready: list, blocks: BlockTimes,

@@ -14,10 +14,10 @@ DTensor's collectives are counted with ``torch.distributed.tensor.debug.CommDebu
 bytes with ``lablib.measure.counting``, which sees functional collectives too); the activation bytes each rank
 saves for the backward in the first forward with ``lablib.measure.memory.SavedActivations``. Then the variants are
 timed in ``timed_steps`` rounds: in each round every variant runs one more step, uninstrumented, after a barrier
-(the slowest rank's step, ``lablib.measure.timing``), in an order that rotates from round to round, so a burst of
-load falls on all of them alike and none always runs first; ``by_hand`` is timed twice in each round (the second
-time as ``floor_step_s``): the same code against itself, the noise floor any two variants' per-round ratio is read
-against. The first round is a warm-up, left out.
+(the slowest rank's step, ``lablib.measure.timing``), in an order shuffled afresh each round, so that a burst of
+load falls on all of them alike and none always runs first or after the same arm. For each pair the notebook
+orders (``PAIRS``), its noisier arm is timed twice in each round (``twin_step_s``): the same code against itself,
+the noise floor that pair's per-round ratio is read against. The first round is a warm-up, left out.
 
     torchrun --standalone --nproc-per-node 2 -m lablib.labs.tensor_parallel.run_tp_gpt --mlp-impl tp_mlp_impl.py \\
         --attention-impl tp_attention_impl.py --steps 3 --out out.json
@@ -87,19 +87,26 @@ def _rows_per_rank(rows: int, mesh) -> list[int]:
     return sizes
 
 
-FLOOR = "by_hand"     # the variant timed twice in each round: the noise floor
+# Each pair the notebook orders, and the arm timed twice in every round for it (its twin): the noise floor of that
+# pair is the twin's step over the arm's own, the same code against itself, and it is the pair's slower, noisier
+# arm (more collectives, DTensor's dispatch) that is twinned, so that the floor is at least as spread as the pair.
+PAIRS = (("by_hand", "single", "by_hand"), ("dtensor_blocks", "by_hand", "dtensor_blocks"),
+         ("dtensor_sp_local", "dtensor_sp", "dtensor_sp"))
+TWINS = tuple(dict.fromkeys(twin for _, _, twin in PAIRS))
 
 
 def _timed_rounds(variants: dict, batches, loss_contexts: dict, config: Config, env) -> dict:
     """``timed_steps`` rounds; in each, every variant one uninstrumented SGD step (forward, backward, update) after a
-    barrier, the order rotated by one each round, and ``FLOOR`` a second time (key ``"floor"``). Returns each arm's
-    step times by ``lablib.measure.timing``'s one definition (slowest rank, median; the first round left out)."""
-    arms = list(variants) + ["floor"]
+    barrier, and each of ``TWINS`` a second time (key ``"<name>_twin"``), in an order shuffled afresh every round
+    (``timing.turn_order``: the same on every rank), so that no arm always runs right after the same one. Returns
+    each arm's step times by ``lablib.measure.timing``'s one definition (slowest rank, median; the first round left
+    out)."""
+    arms = list(variants) + [f"{name}_twin" for name in TWINS]
     per_step: dict[str, list[float]] = {arm: [] for arm in arms}
     for r in range(config.timed_steps):
         x, y = batches[r % len(batches)]
-        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
-            name = FLOOR if arm == "floor" else arm
+        for arm in timing.turn_order(arms, r, config.seed):
+            name = arm.removesuffix("_twin")
             model = variants[name]
             timing.barrier(env.device)
             with timing.stopwatch(per_step[arm], env.device), loss_contexts[name]():
@@ -192,7 +199,8 @@ def run(env, config: Config) -> dict:
     timed = _timed_rounds(variants, batches, contexts, config, env)
     for name in variants:
         out["median_step_s"][name], out["step_s"][name] = timed[name]["median_step_s"], timed[name]["step_s"]
-    out["floor_step_s"], out["floor_variant"] = timed["floor"]["step_s"], FLOOR
+    out["twin_step_s"] = {name: timed[f"{name}_twin"]["step_s"] for name in TWINS}
+    out["pairs"] = [list(pair) for pair in PAIRS]
     script.progress(env, len(variants) + 1, len(variants) + 1)
     return out
 

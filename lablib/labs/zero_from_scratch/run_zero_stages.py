@@ -61,7 +61,7 @@ class Config:
     steps: int = 4                      # AdamW steps per variant; bytes and collectives from the last one
     warmup: int = 1                     # steps left out of the step time
     rounds: int = 12                    # paired timing of the two ZeRO-1s and a self pair: rounds of turns
-    round_steps: int = 2                # steps of each arm per round (the round's time for it: their median)
+    round_steps: int = 2                # steps of each arm per round, the arms alternating step by step
     timeline: bool = True               # one more step per variant, memory sampled at every module boundary
 
     def validate(self) -> None:
@@ -173,26 +173,28 @@ def one_step(s: "_Stepper", env, x, y) -> torch.Tensor:
 
 def paired_step_times(env, config: Config, steps) -> dict:
     """Your ShardedOptimizer, ZeroRedundancyOptimizer and a second ShardedOptimizer (the noise floor: a strategy
-    timed against itself) taking turns, ``round_steps`` steps each per round, the order rotating by round; per round
-    the ratios of the medians (each step the slowest rank's), then the median of each ratio over the rounds and its
-    range, and ``timing.noise_verdict``'s reading of the ratios against the self ratios (a verdict only when enough
-    rounds lie beyond every self-ratio round that noise alone would print one less than 5 % of the time)."""
+    timed against itself) taking turns step by step: in a round each arm runs ``round_steps`` steps, one at a time,
+    the arms alternating, in one of the six orders of the three (``timing.turn_order``: each used twice in 12 rounds),
+    reversed at every other step (A B C, C B A, ...) so that no arm always follows the same one. A burst of load
+    then lasts long enough to fall on all three arms of a step. Per round the ratios of the medians (each step the
+    slowest rank's), then the median of each ratio over the rounds and its range, and ``timing.noise_verdict``'s
+    reading of the ratios against the self ratios (a verdict only when enough rounds lie beyond every self-ratio
+    round that noise alone would print one less than 5 % of the time, and not both ways). Costs the same steps as
+    running the arms in blocks: only their order differs."""
     trio = {"zero1_yours": _Stepper(env, config, "zero1_yours"), "zero1_torch": _Stepper(env, config, "zero1_torch"),
             "zero1_yours_again": _Stepper(env, config, "zero1_yours")}
     for s in trio.values():                    # warm-up: the first step builds buckets and optimizer state
         one_step(s, env, *steps[0])
     rounds = []
-    names = list(trio)
     for r in range(config.rounds):
-        order = names[r % 3:] + names[:r % 3]  # each goes first, second and third in turn
-        times = {}
-        for v in order:
-            per_step = []
-            for x, y in steps[:config.round_steps]:
+        per_step = {v: [] for v in trio}
+        order = timing.turn_order(trio, r)
+        for i, (x, y) in enumerate(steps[:config.round_steps]):
+            for v in (order if i % 2 == 0 else order[::-1]):
                 timing.barrier(env.device)
-                with timing.stopwatch(per_step, env.device):
+                with timing.stopwatch(per_step[v], env.device):
                     one_step(trio[v], env, x, y)
-            times[v] = timing.median(timing.slowest_rank(per_step, env.device))
+        times = {v: timing.median(timing.slowest_rank(t, env.device)) for v, t in per_step.items()}
         rounds.append({**times, "ratio": times["zero1_yours"] / times["zero1_torch"],
                        "self_ratio": times["zero1_yours"] / times["zero1_yours_again"]})
     ratios, selfs = [r["ratio"] for r in rounds], [r["self_ratio"] for r in rounds]

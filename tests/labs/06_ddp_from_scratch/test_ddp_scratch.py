@@ -72,6 +72,47 @@ def test_overlap_fraction_uses_ddps_definition():
     assert ddp_overlap.overlap_fraction(comm, 9.0) == 1.0
 
 
+def test_bucketed_backward_takes_a_measured_bucket_count():
+    """The sweep draws each cap at its mean bucket size g / n; in floating point ceil(g / (g / 29)) is 30 at the
+    run's g = 1,653,248 B, and the model then charged a 30th latency. Given the count, it charges 29."""
+    from lablib.course import scaling
+
+    g, latency = 1_653_248, lambda n: 1.0            # every all-reduce 1 s: "comm" counts the all-reduces
+    assert scaling.bucketed_backward(0.0, g, g / 29, latency)["n_buckets"] == 30    # the trap, still there
+    got = scaling.bucketed_backward(0.0, g, g / 29, latency, n_buckets=29)
+    assert got["n_buckets"] == 29 and got["comm"] == 29.0
+    with pytest.raises(ValueError, match="n_buckets=0"):
+        scaling.bucketed_backward(0.0, g, g, latency, n_buckets=0)
+
+
+def test_cuda_trace_ends_the_compute_at_the_last_gradient_not_at_backwards_return():
+    """PyTorch's DDP finishes inside backward(): its reducer copies the buckets back into .grad after the last NCCL
+    kernel. Ending the compute at backward()'s return read DDP as 100 % hidden on GPUs; the last gradient's
+    annotation does not. A synthetic trace (microseconds): compute kernel launched at 10 runs 20-40, the last
+    gradient final at 15, NCCL 30-60 (launched 16), the copy-back launched at 17 runs 60-62, backward() returns at 18."""
+    from lablib.labs.ddp_from_scratch import timeline
+
+    def annotation(name, ts, dur=0.0):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    def kernel(name, corr, launch, ts, dur):
+        return [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch, "dur": 0.1,
+                 "args": {"correlation": corr}},
+                {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}]
+
+    events = [annotation(timeline.MARK[0], 0.0, 100.0), annotation(timeline.MARK[1], 5.0, 13.0),
+              annotation(timeline.GRAD_READY, 12.0), annotation(timeline.GRAD_READY, 15.0),
+              *kernel("gemm", 1, 10.0, 20.0, 20.0), *kernel("ncclDevKernel_AllReduce", 2, 16.0, 30.0, 30.0),
+              *kernel("copy_", 3, 17.0, 60.0, 2.0)]
+    got = timeline.read_cuda_trace(events)
+    assert got["compute_end"] == pytest.approx(40e-6) and got["comm"] == [pytest.approx((30e-6, 60e-6))]
+    assert timeline.overlap_fraction(got["comm"], got["compute_end"]) == pytest.approx(1 / 3)
+    # Without the annotations the old bound (backward()'s return at 18) takes the copy-back in: all hidden.
+    old = timeline.read_cuda_trace([e for e in events if e["name"] != timeline.GRAD_READY])
+    assert old["compute_end"] == pytest.approx(62e-6)
+    assert timeline.overlap_fraction(old["comm"], old["compute_end"]) == 1.0
+
+
 def test_probe_sees_overlap_and_the_tied_weight_once(tmp_path):
     impl, _ = _impl(tmp_path, HOOKED)
     for r in ddp_probes.probe_without_processes(impl, "individual", ("mlp", "tied", "frozen", "unused")):
