@@ -24,6 +24,8 @@ def test_bus_factors_are_nccl_tests():
     for name in ("broadcast", "reduce", "send", "recv"):
         assert counting.bus_factor(name, 8) == 1.0
     assert counting.bus_factor("all_reduce", 1) == 0.0 and counting.bus_factor("barrier", 4) == 0.0
+    for name in ("broadcast", "reduce", "send", "recv", "all_gather"):   # on one rank nothing leaves it
+        assert counting.bus_factor(name, 1) == 0.0
     with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
         counting.bus_factor("allreduce", 2)
     with pytest.raises(ValueError, match="positive integer"):

@@ -30,14 +30,20 @@ COURSE_NAMES = {
 
 
 def bus_factor(name: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor: bytes each rank sends per byte of message, on a ring.
+    """nccl-tests' bus-bandwidth factor f (doc/PERFORMANCE.md): bytes per rank per byte of message S.
 
-    all_reduce 2(n-1)/n (a reduce-scatter then an all-gather); all_gather, reduce_scatter, all_to_all,
-    scatter and gather (n-1)/n; broadcast, reduce, send and recv 1; barrier and object collectives 0.
+    From the least time on n links of bandwidth B: the bytes that must cross links, spread evenly over the n
+    ranks (the average a rank sends; a ring sends exactly that from every rank), or where they cannot be spread,
+    the bottleneck rank's (the root of a broadcast or a reduce). all_reduce 2(n-1)/n (a reduce-scatter then an
+    all-gather); all_gather, reduce_scatter, all_to_all (n-1)/n, and scatter and gather (n-1)/n (the course's:
+    the document lists none); broadcast, reduce, send and recv 1; barrier and object collectives 0. On one rank
+    nothing leaves it: 0 for every collective.
     """
     n = world_size
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"world_size must be a positive integer, got {n!r}")
+    if name in COURSE_NAMES.values() and n == 1:
+        return 0.0
     if name == "all_reduce":
         return 2 * (n - 1) / n
     if name in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
