@@ -58,6 +58,8 @@ script (``run``, the torchrun step named after the package); a lab package impor
 lab, and no shared folder imports a lab (import-linter contracts in pyproject.toml)
 - ``lablib.labs.collectives`` lab 00, collectives and the torchrun job: read ``collective_cases`` (exercise 1 on the
                                    ranks), ``job_setup`` (exercises 2 and 3 watched), then ``run`` and ``run_collectives_job``
+- ``lablib.labs.collectives.bench`` the step's timings: each collective per call over sizes, in windows sized from the
+                                   ranks' barrier skew, with a noise floor; what DETAIL adds to a small all-reduce
 - ``lablib.labs.collectives.collective_cases`` exercise 1 on the ranks: every collective, the errors torch raises, the cases
 - ``lablib.labs.collectives.job_setup`` exercise 2 watched: a script's setup calls recorded, simulated GPUs, a slow disk;
                                    exercise 3's script on thread ranks
