@@ -1,6 +1,33 @@
 """Lab 05 answers written by a red team that had read only the released notebook (no tests, no solution): those of
 its wrong answers that kept full marks then (tests/labkit.py appends them to answers.py's lists)."""
 
+# The training loop every evaluation answer below shares (the red team's text, verbatim).
+_TRAIN_LOOP = '''def train_loop(model, optimizer, train_set, val_set, config, on_step):
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))
+    n = accelerator.num_processes
+    train_loader = DataLoader(train_set, batch_size=config.batch_size // n, shuffle=True, drop_last=True)
+    val_loader = DataLoader(val_set, batch_size=config.val_batch_size // n, shuffle=False)
+    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    curve, step, epoch = [], 0, 0
+    while step < config.steps:
+        if hasattr(train_loader, "set_epoch"):
+            train_loader.set_epoch(epoch)
+        for x, y in train_loader:
+            _, loss = model(x, y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            on_step(step, loss)
+            if step % config.eval_every == 0 or step == config.steps:
+                curve.append((step, _evaluate(model, val_loader, accelerator)))
+                accelerator.print(f"step {step}: val loss {curve[-1][1]:.4f}")
+            if step == config.steps:
+                break
+        epoch += 1
+    return curve
+'''
+
 WRONG_ANSWERS = {
     "ddp_parts": [
         ("w7: drop_last=True on the DistributedSampler only: the DataLoader keeps an incomplete last batch",
@@ -91,31 +118,7 @@ def _evaluate(model, val_loader, accelerator):
     return torch.cat(losses).double().mean().item()
 
 
-def train_loop(model, optimizer, train_set, val_set, config, on_step):
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))
-    n = accelerator.num_processes
-    train_loader = DataLoader(train_set, batch_size=config.batch_size // n, shuffle=True, drop_last=True)
-    val_loader = DataLoader(val_set, batch_size=config.val_batch_size // n, shuffle=False)
-    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    curve, step, epoch = [], 0, 0
-    while step < config.steps:
-        if hasattr(train_loader, "set_epoch"):
-            train_loader.set_epoch(epoch)
-        for x, y in train_loader:
-            _, loss = model(x, y)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            on_step(step, loss)
-            if step % config.eval_every == 0 or step == config.steps:
-                curve.append((step, _evaluate(model, val_loader, accelerator)))
-                accelerator.print(f"step {step}: val loss {curve[-1][1]:.4f}")
-            if step == config.steps:
-                break
-        epoch += 1
-    return curve
-'''),
+''' + _TRAIN_LOOP),
         ("w4: each process averages its own share (gather_for_metrics called, its result thrown away) and the processes' means are averaged with accelerator.gather (Accelerate's padding counted)",
          '''%%writefile accelerate_impl.py
 """Exercise 3 of lab 05."""
@@ -139,31 +142,7 @@ def _evaluate(model, val_loader, accelerator):
     return accelerator.gather(per_proc.reshape(1)).mean().item()
 
 
-def train_loop(model, optimizer, train_set, val_set, config, on_step):
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))
-    n = accelerator.num_processes
-    train_loader = DataLoader(train_set, batch_size=config.batch_size // n, shuffle=True, drop_last=True)
-    val_loader = DataLoader(val_set, batch_size=config.val_batch_size // n, shuffle=False)
-    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    curve, step, epoch = [], 0, 0
-    while step < config.steps:
-        if hasattr(train_loader, "set_epoch"):
-            train_loader.set_epoch(epoch)
-        for x, y in train_loader:
-            _, loss = model(x, y)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            on_step(step, loss)
-            if step % config.eval_every == 0 or step == config.steps:
-                curve.append((step, _evaluate(model, val_loader, accelerator)))
-                accelerator.print(f"step {step}: val loss {curve[-1][1]:.4f}")
-            if step == config.steps:
-                break
-        epoch += 1
-    return curve
-'''),
+''' + _TRAIN_LOOP),
         ("w6: gathers the per-sequence losses with accelerator.gather, not gather_for_metrics (the sequences Accelerate repeats to pad an uneven last batch are counted)",
          '''%%writefile accelerate_impl.py
 """Exercise 3 of lab 05."""
@@ -185,31 +164,7 @@ def _evaluate(model, val_loader, accelerator):
     return torch.cat(losses).double().mean().item()
 
 
-def train_loop(model, optimizer, train_set, val_set, config, on_step):
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))
-    n = accelerator.num_processes
-    train_loader = DataLoader(train_set, batch_size=config.batch_size // n, shuffle=True, drop_last=True)
-    val_loader = DataLoader(val_set, batch_size=config.val_batch_size // n, shuffle=False)
-    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    curve, step, epoch = [], 0, 0
-    while step < config.steps:
-        if hasattr(train_loader, "set_epoch"):
-            train_loader.set_epoch(epoch)
-        for x, y in train_loader:
-            _, loss = model(x, y)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            on_step(step, loss)
-            if step % config.eval_every == 0 or step == config.steps:
-                curve.append((step, _evaluate(model, val_loader, accelerator)))
-                accelerator.print(f"step {step}: val loss {curve[-1][1]:.4f}")
-            if step == config.steps:
-                break
-        epoch += 1
-    return curve
-'''),
+''' + _TRAIN_LOOP),
         ("w7: collects the curve in a mutable default argument (train_loop(..., curve=[])): a second call in one process returns the first call's points too",
          '''%%writefile accelerate_impl.py
 """Exercise 3 of lab 05."""
